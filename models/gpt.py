@@ -1,0 +1,157 @@
+"""Llama-style decoder built from ``ntp_jax.layers`` (local view, inside ``shard_map``).
+
+Pre-norm blocks of grouped-query attention with RoPE and a SwiGLU MLP,
+RMSNorm, untied vocabulary-parallel embedding and output head; the loss is
+the vocabulary-parallel cross-entropy, so full logits never exist on one
+device. Shapes follow Llama 3 (Grattafiori et al., arXiv:2407.21783, Table 3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ntp_jax.layers import (Attention, ColumnParallelLinear, RMSNorm, SwiGLU, VocabParallelEmbed,
+                            rope_angles, vocab_parallel_cross_entropy)
+from ntp_jax.layout import Layout, make_layout, units_of
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  """Model shape; validated on construction (errors name the ``model.`` field)."""
+
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  d_ff: int
+  rope_theta: float = 500_000.0
+  norm_eps: float = 1e-5
+  ffn_granularity: int = 1  # MLP columns per shard unit
+  vocab_granularity: int = 1  # vocabulary rows per shard unit
+  dtype: str = "float32"  # compute dtype
+  param_dtype: str = "float32"  # storage dtype of parameters
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                 "d_ff"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"model.{name}: must be >= 1, got {getattr(self, name)}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"model.n_heads: {self.n_heads} is not a multiple of "
+                       f"model.n_kv_heads {self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"model.head_dim: RoPE needs an even head_dim, got {self.head_dim}")
+    units_of(self.d_ff, self.ffn_granularity, "model.ffn_granularity")
+    units_of(self.vocab_size, self.vocab_granularity, "model.vocab_granularity")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"model.{name}: unknown dtype {getattr(self, name)!r}; "
+                         f"choose one of {sorted(_DTYPES)}")
+
+  @classmethod
+  def from_config(cls, model_cfg) -> GPTConfig:
+    """From the ``model`` section of an ml_collections config (unknown keys rejected)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    extra = set(model_cfg.keys()) - fields
+    if extra:
+      raise ValueError(f"model: unknown field(s) {sorted(extra)}")
+    return cls(**dict(model_cfg))
+
+  @property
+  def compute_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def storage_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLayouts:
+  """The three split dimensions of the model for one TP group."""
+
+  heads: Layout  # KV-head groups (unit: one KV head and its query heads)
+  ffn: Layout  # MLP columns (unit: ffn_granularity columns)
+  vocab: Layout  # vocabulary rows (unit: vocab_granularity rows)
+
+  @property
+  def degree(self) -> int:
+    return self.heads.degree
+
+
+def model_layouts(cfg: GPTConfig, tp: int, failed: Sequence[int] = (),
+                  weights: Sequence[float] | None = None) -> ModelLayouts:
+  """Layouts of attention, MLP and vocabulary over the live slots of one TP group.
+
+  Raises:
+    ValueError: invalid failed slots or weights (see ``ntp_jax.layout``).
+  """
+  kw = dict(failed=failed, weights=weights)
+  return ModelLayouts(
+      heads=make_layout(cfg.n_kv_heads, tp, **kw),
+      ffn=make_layout(cfg.d_ff // cfg.ffn_granularity, tp, unit_size=cfg.ffn_granularity, **kw),
+      vocab=make_layout(cfg.vocab_size // cfg.vocab_granularity, tp,
+                        unit_size=cfg.vocab_granularity, **kw),
+  )
+
+
+class DecoderBlock(nnx.Module):
+  """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+  def __init__(self, cfg: GPTConfig, layouts: ModelLayouts, *, rngs: nnx.Rngs):
+    kw = dict(dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype)
+    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
+    self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.head_dim, layouts.heads, rngs=rngs, **kw)
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
+    self.mlp = SwiGLU(cfg.d_model, layouts.ffn, rngs=rngs, **kw)
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    x = x + self.attn(self.attn_norm(x), cos, sin)
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nnx.Module):
+  """Llama-style decoder over one TP group's layouts.
+
+  ``__call__`` and ``loss_sum`` run inside a ``shard_map`` body (see
+  ``ntp_jax.shard``) and see this device's blocks.
+  """
+
+  def __init__(self, cfg: GPTConfig, layouts: ModelLayouts, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.layouts = layouts
+    kw = dict(dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype)
+    self.embed = VocabParallelEmbed(layouts.vocab, cfg.d_model, rngs=rngs, **kw)
+    self.blocks = nnx.List([DecoderBlock(cfg, layouts, rngs=rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
+    self.head = ColumnParallelLinear(cfg.d_model, layouts.vocab, rngs=rngs, **kw)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """int ``[batch, seq]`` -> this slot's logits ``[batch, seq, vocab block]``."""
+    positions = jnp.arange(tokens.shape[-1])[None, :]
+    cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
+    x = self.embed(tokens)  # [b, s, d] replicated over the TP group
+    for block in self.blocks:
+      x = block(x, cos, sin)
+    return self.head(self.final_norm(x))
+
+  def loss_sum(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+    """f32 scalar: sum of next-token cross-entropy over this device's batch rows."""
+    return jnp.sum(vocab_parallel_cross_entropy(self(tokens), targets, self.layouts.vocab))
+
+
+def count_params(cfg: GPTConfig) -> int:
+  """Logical parameter count (no padding), computed from the shapes alone."""
+  attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+  mlp = 3 * cfg.d_model * cfg.d_ff
+  per_layer = attn + mlp + 2 * cfg.d_model
+  return cfg.n_layers * per_layer + 2 * cfg.vocab_size * cfg.d_model + cfg.d_model

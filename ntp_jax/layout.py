@@ -1,0 +1,208 @@
+"""Layouts: which shard units of one tensor-parallel dimension each live slot holds.
+
+A TP group has ``tp`` nominal slots; some may have failed. A dimension of
+``num_units`` shard units (KV-head groups for attention, ``ffn_granularity``
+columns of the MLP, ``vocab_granularity`` rows of the vocabulary) is split into
+contiguous runs, one per live slot, with sizes proportional to the slots' speed
+weights (equal by default) and rounded to whole units by the largest-remainder
+method. Sizes may differ by slot and may be zero.
+
+Source: Arfeen et al., "Nonuniform-Tensor-Parallelism", arXiv:2504.06095,
+Sec. 3 (reduced TP degree after a failure) and Sec. 4 (shard placement).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Contiguous split of ``num_units`` shard units over the live slots of a TP group.
+
+  Attributes:
+    tp: nominal slots in the TP group (T).
+    live_slots: the live slot indices, ascending; device ``i`` of the group's
+      mesh axis holds slot ``live_slots[i]``.
+    units: shard units held by each live slot, in live-slot order (sum is
+      ``num_units``; zero allowed).
+    unit_size: elements of the sharded array dimension per shard unit.
+  """
+
+  tp: int
+  live_slots: tuple[int, ...]
+  units: tuple[int, ...]
+  unit_size: int = 1
+
+  def __post_init__(self):
+    if len(self.live_slots) != len(self.units):
+      raise ValueError(
+          f"layout: {len(self.live_slots)} live slots but {len(self.units)} unit counts")
+    if any(u < 0 for u in self.units):
+      raise ValueError(f"layout: negative unit count in {self.units}")
+    if self.unit_size < 1:
+      raise ValueError(f"layout: unit_size must be >= 1, got {self.unit_size}")
+
+  @property
+  def degree(self) -> int:
+    """TP degree: the number of live slots."""
+    return len(self.live_slots)
+
+  @property
+  def num_units(self) -> int:
+    return sum(self.units)
+
+  @property
+  def size(self) -> int:
+    """Logical length of the sharded dimension, in elements."""
+    return self.num_units * self.unit_size
+
+  @property
+  def sizes(self) -> tuple[int, ...]:
+    """Elements held by each live slot."""
+    return tuple(u * self.unit_size for u in self.units)
+
+  @property
+  def offsets(self) -> tuple[int, ...]:
+    """Logical start (in elements) of each live slot's run."""
+    return tuple(int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
+
+  @property
+  def block_units(self) -> int:
+    """Units in the padded block: the largest slot's unit count (at least 1)."""
+    return max(max(self.units), 1)
+
+  @property
+  def block(self) -> int:
+    """Elements in the padded per-device block."""
+    return self.block_units * self.unit_size
+
+  def with_unit_size(self, unit_size: int) -> Layout:
+    """The same unit split, measured in another number of elements per unit."""
+    return dataclasses.replace(self, unit_size=unit_size)
+
+  def gather_index(self) -> np.ndarray:
+    """int32 [degree, block]: logical index of each padded-block entry, -1 for padding."""
+    index = np.full((self.degree, self.block), -1, dtype=np.int32)
+    for i, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
+      index[i, :size] = np.arange(offset, offset + size)
+    return index
+
+  def scatter_index(self) -> np.ndarray:
+    """int32 [size]: position in the flattened ``[degree * block]`` array of each logical element."""
+    flat = self.gather_index().reshape(-1)
+    return np.flatnonzero(flat >= 0).astype(np.int32)
+
+  def describe(self) -> str:
+    """Short text such as ``'3,3,2 x4'`` (units per live slot x elements per unit)."""
+    text = ",".join(str(u) for u in self.units)
+    return text if self.unit_size == 1 else f"{text} x{self.unit_size}"
+
+
+def live_slots(tp: int, failed: Sequence[int] = ()) -> tuple[int, ...]:
+  """Live slots of a TP group of ``tp`` slots with ``failed`` slots removed.
+
+  Raises:
+    ValueError: ``tp`` < 1, a failed slot outside ``[0, tp)``, a repeated
+      failed slot, or every slot failed.
+  """
+  if tp < 1:
+    raise ValueError(f"mesh.tp: must be >= 1, got {tp}")
+  failed = list(failed)
+  if len(failed) > tp:
+    raise ValueError(f"ntp.failed: {len(failed)} failed slots but the TP group has only {tp}")
+  for slot in failed:
+    if not 0 <= slot < tp:
+      raise ValueError(f"ntp.failed: slot {slot} is outside the TP group [0, {tp})")
+  if len(set(failed)) != len(failed):
+    raise ValueError(f"ntp.failed: repeated slot in {sorted(failed)}")
+  live = tuple(s for s in range(tp) if s not in set(failed))
+  if not live:
+    raise ValueError(f"ntp.failed: all {tp} slots failed; no TP group is left")
+  return live
+
+
+def apportion(num_units: int, weights: Sequence[float]) -> tuple[int, ...]:
+  """Split ``num_units`` whole units in proportion to ``weights`` (largest remainder).
+
+  Each share gets ``floor(num_units * w / sum(w))`` units; the units left over
+  go to the largest fractional remainders, ties to the lower index. The result
+  sums to ``num_units`` exactly.
+
+  Raises:
+    ValueError: no weights, a negative or non-finite weight, or all weights zero.
+  """
+  weights = np.asarray(weights, dtype=np.float64)
+  if weights.size == 0:
+    raise ValueError("ntp.slot_weights: no live slot to apportion over")
+  if not np.all(np.isfinite(weights)):
+    raise ValueError(f"ntp.slot_weights: weights must be finite, got {weights.tolist()}")
+  if np.any(weights < 0):
+    raise ValueError(f"ntp.slot_weights: weights must be >= 0, got {weights.tolist()}")
+  if weights.sum() <= 0:
+    raise ValueError("ntp.slot_weights: at least one live slot needs a positive weight")
+  if num_units < 0:
+    raise ValueError(f"layout: number of units must be >= 0, got {num_units}")
+  quotas = num_units * weights / weights.sum()
+  units = np.floor(quotas).astype(np.int64)
+  left = num_units - int(units.sum())
+  # Stable sort on the negated remainder: ties go to the lower slot index.
+  order = np.argsort(-(quotas - units), kind="stable")
+  units[order[:left]] += 1
+  return tuple(int(u) for u in units)
+
+
+def make_layout(
+    num_units: int,
+    tp: int,
+    *,
+    failed: Sequence[int] = (),
+    weights: Sequence[float] | None = None,
+    unit_size: int = 1,
+) -> Layout:
+  """Layout of ``num_units`` shard units over the live slots of a TP group.
+
+  Args:
+    num_units: shard units of the dimension (e.g. KV heads, d_ff / granularity).
+    tp: nominal slots in the TP group.
+    failed: failed slot indices.
+    weights: per-slot relative speeds, one per nominal slot (failed slots'
+      weights are ignored); ``None`` means equal.
+    unit_size: elements per unit.
+
+  Raises:
+    ValueError: see ``live_slots`` and ``apportion``; weights of the wrong length.
+  """
+  live = live_slots(tp, failed)
+  if weights is None:
+    live_weights = [1.0] * len(live)
+  else:
+    weights = list(weights)
+    if len(weights) != tp:
+      raise ValueError(
+          f"ntp.slot_weights: expected {tp} weights (one per slot), got {len(weights)}")
+    live_weights = [weights[s] for s in live]
+  return Layout(tp=tp, live_slots=live, units=apportion(num_units, live_weights),
+                unit_size=unit_size)
+
+
+def units_of(dim: int, granularity: int, field: str) -> int:
+  """Number of shard units in ``dim`` elements of ``granularity`` each.
+
+  Raises:
+    ValueError: naming ``field`` when ``granularity`` does not divide ``dim``.
+  """
+  if granularity < 1:
+    raise ValueError(f"{field}: granularity must be >= 1, got {granularity}")
+  if dim % granularity:
+    raise ValueError(f"{field}: granularity {granularity} does not divide {dim}")
+  return dim // granularity
+
+
+def ideal_block(layout: Layout) -> float:
+  """Elements per live slot with a perfect split (for reporting padding waste)."""
+  return layout.size / layout.degree if layout.degree else math.nan

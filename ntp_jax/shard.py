@@ -1,0 +1,98 @@
+"""Running NNX modules of padded blocks under ``jax.shard_map``.
+
+Parameters are split by type: a ``TPParam`` is sharded over ``'tp'`` on its
+leading slot axis, every other variable is replicated. ``tp_function`` turns
+a function of a module into a function of its state that runs, per device,
+on the local blocks (the layers' local view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ntp_jax.blocks import from_blocks, to_blocks
+from ntp_jax.layers.params import TPParam
+from ntp_jax.mesh import TP
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def state_specs(state: nnx.State) -> nnx.State:
+  """PartitionSpec per variable: ``P('tp')`` for ``TPParam``, ``P()`` otherwise."""
+  return jax.tree.map(lambda v: P(TP) if isinstance(v, TPParam) else P(), state,
+                      is_leaf=_is_variable)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+  """``NamedSharding`` per variable on ``mesh`` (replicated over ``'dp'``)."""
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(state),
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def to_logical(state: nnx.State) -> dict:
+  """Nested dict of logical arrays: blocks of each ``TPParam`` joined, padding dropped."""
+  def logical(v):
+    if isinstance(v, TPParam):
+      return from_blocks(v[...], v.tp_layout, v.tp_axis)
+    return v[...]
+  return nnx.to_pure_dict(jax.tree.map(logical, state, is_leaf=_is_variable))
+
+
+def from_logical(state: nnx.State, logical: dict) -> nnx.State:
+  """``state`` with values replaced from a nested dict of logical arrays.
+
+  Raises:
+    ValueError: a logical array's shape does not match the parameter's.
+  """
+  flat_logical = dict(nnx.traversals.flatten_mapping(logical))
+  def fill(path, v):
+    key = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+    value = jnp.asarray(flat_logical[key])
+    if isinstance(v, TPParam):
+      value = to_blocks(value, v.tp_layout, v.tp_axis)
+    if value.shape != v[...].shape:
+      raise ValueError(f"parameter {'/'.join(map(str, key))}: shape {value.shape}, "
+                       f"expected {v[...].shape}")
+    return v.replace(value.astype(v[...].dtype))
+  return jax.tree_util.tree_map_with_path(fill, state, is_leaf=_is_variable)
+
+
+def tp_function(graphdef: nnx.GraphDef, state: nnx.State, fn: Callable[..., Any], mesh: Mesh,
+                arg_specs: tuple, out_specs: Any) -> Callable[..., Any]:
+  """``f(state, *args)`` that runs ``fn(module, *args)`` on each device's blocks.
+
+  Args:
+    graphdef: the module's graph (from ``nnx.split``).
+    state: an example state (for its specs; values unused).
+    fn: called inside ``shard_map`` with the merged local module.
+    mesh: mesh with axes ``('dp', 'tp')``.
+    arg_specs: PartitionSpec of each extra argument.
+    out_specs: PartitionSpec(s) of the result.
+  """
+  specs = state_specs(state)
+
+  def body(local_state, *args):
+    return fn(nnx.merge(graphdef, local_state), *args)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=(specs, *arg_specs), out_specs=out_specs)
+
+
+def tp_call(module: nnx.Module, mesh: Mesh, *args, arg_specs: tuple | None = None,
+            out_specs: Any = P(), fn: Callable[..., Any] | None = None) -> Any:
+  """Run ``fn(module, *args)`` (default ``module(*args)``) on global arrays.
+
+  Args default to replicated (``P()``) specs.
+  """
+  graphdef, state = nnx.split(module)
+  arg_specs = tuple(P() for _ in args) if arg_specs is None else arg_specs
+  fn = fn or (lambda m, *a: m(*a))
+  return tp_function(graphdef, state, fn, mesh, arg_specs, out_specs)(state, *args)

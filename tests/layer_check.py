@@ -1,0 +1,88 @@
+"""Shared checker: a TP layer against its dense reference, value and gradient."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ntp_jax.blocks import from_blocks, to_blocks
+from ntp_jax.layers import TPParam
+from ntp_jax.layout import Layout
+from ntp_jax.mesh import class_mesh
+from ntp_jax.shard import to_logical, tp_function
+
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def mesh_for(layout: Layout):
+  return class_mesh([0], layout.live_slots, layout.tp)
+
+
+def split_to_global(x, layout, axis=-1):
+  """Logical [..., size] -> global [..., degree * block] (blocks side by side), for P(.., 'tp')."""
+  blocks = to_blocks(x, layout, axis)  # [degree, ..., block]
+  moved = jnp.moveaxis(blocks, 0, axis % x.ndim)  # [..., degree, block]
+  return moved.reshape(moved.shape[:axis % x.ndim] + (-1,))
+
+
+def global_to_logical(y, layout):
+  """Global [..., degree * block] -> logical [..., size]."""
+  blocks = jnp.moveaxis(y.reshape(y.shape[:-1] + (layout.degree, layout.block)), -2, 0)
+  return from_blocks(blocks, layout, -1)
+
+
+def assert_padding_zero(state):
+  """Every TPParam's padded entries are exactly zero."""
+  for path, v in nnx.to_flat_state(state):
+    if isinstance(v, TPParam):
+      value = v[...]
+      repadded = to_blocks(from_blocks(value, v.tp_layout, v.tp_axis), v.tp_layout, v.tp_axis)
+      np.testing.assert_array_equal(repadded, value, err_msg=f"nonzero padding in {path}")
+
+
+def check_layer(module, args, arg_specs, out_spec, reference, *, out_layout=None, fn=None,
+                grad_args=(), seed=0):
+  """Forward and gradient of ``fn(module, *args)`` under shard_map against ``reference``.
+
+  Args:
+    reference: ``reference(logical_params, *logical_args)`` dense result.
+    out_layout: the layout of a split output (column-parallel), else None.
+    grad_args: indices of ``args`` (floats) whose gradients are compared too;
+      ``args_to_logical`` conversions are the caller's (pass logical args to
+      reference through ``logical_args``).
+  """
+  layout = _any_layout(module)
+  mesh = mesh_for(layout)
+  graphdef, state = nnx.split(module)
+  fn = fn or (lambda m, *a: m(*a))
+  run = tp_function(graphdef, state, fn, mesh, arg_specs, out_spec)
+  to_logical_out = (lambda y: global_to_logical(y, out_layout)) if out_layout else (lambda y: y)
+
+  out = jax.jit(run)(state, *args)
+  logical = to_logical(state)
+  expected = reference(logical, *args)
+  np.testing.assert_allclose(to_logical_out(out), expected, rtol=RTOL, atol=ATOL)
+  if out_layout is not None:
+    # The padded output columns are zero.
+    np.testing.assert_array_equal(split_to_global(to_logical_out(out), out_layout), out)
+
+  cotangent = jax.random.normal(jax.random.key(seed + 1), expected.shape, expected.dtype)
+  argnums = (0,) + tuple(1 + i for i in grad_args)
+  grads = jax.jit(jax.grad(lambda s, *a: jnp.sum(to_logical_out(run(s, *a)) * cotangent),
+                           argnums=argnums))(state, *args)
+  ref_grads = jax.grad(lambda p, *a: jnp.sum(reference(p, *a) * cotangent),
+                       argnums=argnums)(logical, *args)
+  assert_padding_zero(grads[0])
+  got = to_logical(grads[0])
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5), got,
+               ref_grads[0])
+  for g, r in zip(grads[1:], ref_grads[1:]):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+  return out
+
+
+def _any_layout(module):
+  for _, v in nnx.to_flat_state(nnx.state(module)):
+    if isinstance(v, TPParam):
+      return v.tp_layout
+  raise ValueError("module has no TPParam")

@@ -1,0 +1,167 @@
+"""Every TP layer against its dense reference, value and gradient, for TP degrees 1..8."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import reference as ref
+from layer_check import check_layer, global_to_logical, mesh_for, split_to_global
+from ntp_jax.layers import (Attention, ColumnParallelLinear, RMSNorm, RowParallelLinear, SwiGLU,
+                            VocabParallelEmbed, apply_rope, rope_angles,
+                            vocab_parallel_cross_entropy)
+from ntp_jax.layout import make_layout
+from ntp_jax.shard import tp_call
+from tp_cases import TP_GROUPS, group_id
+
+B, S = 2, 5
+
+
+def _x(shape, seed=0):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+@pytest.mark.parametrize("group", TP_GROUPS, ids=group_id)
+def test_column_parallel_linear(group):
+  layout = make_layout(11, group[0], failed=group[1])
+  layer = ColumnParallelLinear(6, layout, rngs=nnx.Rngs(0))
+  check_layer(layer, (_x((B, S, 6)),), (P(),), P(None, None, "tp"),
+              lambda p, x: x @ p["kernel"], out_layout=layout, grad_args=(0,))
+
+
+@pytest.mark.parametrize("group", TP_GROUPS, ids=group_id)
+def test_row_parallel_linear(group):
+  layout = make_layout(11, group[0], failed=group[1])
+  layer = RowParallelLinear(layout, 6, rngs=nnx.Rngs(0))
+  x = _x((B, S, 11))
+  check_layer(layer, (split_to_global(x, layout),), (P(None, None, "tp"),), P(),
+              lambda p, xg: global_to_logical(xg, layout) @ p["kernel"], grad_args=(0,))
+
+
+@pytest.mark.parametrize("group", TP_GROUPS, ids=group_id)
+def test_swiglu(group):
+  layout = make_layout(9, group[0], failed=group[1], unit_size=2)  # d_ff 18 in units of 2
+  layer = SwiGLU(6, layout, rngs=nnx.Rngs(1))
+  check_layer(layer, (_x((B, S, 6)),), (P(),), P(), lambda p, x: ref.swiglu(x, p), grad_args=(0,))
+
+
+def test_swiglu_d_ff_5_on_2_slots():
+  layout = make_layout(5, 2)
+  assert layout.sizes == (3, 2)
+  check_layer(SwiGLU(4, layout, rngs=nnx.Rngs(2)), (_x((B, S, 4)),), (P(),), P(), lambda p, x: ref.swiglu(x, p),
+              grad_args=(0,))
+
+
+@pytest.mark.parametrize("group", TP_GROUPS, ids=group_id)
+def test_attention(group):
+  n_heads, head_dim = 12, 4
+  layout = make_layout(6, group[0], failed=group[1])  # 6 KV heads, group of 2
+  layer = Attention(10, n_heads, head_dim, layout, rngs=nnx.Rngs(3))
+  check_layer(layer, (_x((B, S, 10)),), (P(),), P(),
+              lambda p, x: ref.attention(x, p, n_heads, 6, head_dim, 10_000.0),
+              fn=_attention_fn(head_dim, 10_000.0), grad_args=(0,))
+
+
+def test_attention_16_heads_8_kv_on_3_slots():
+  layout = make_layout(8, 3)
+  assert layout.units == (3, 3, 2) and layout.with_unit_size(2).sizes == (6, 6, 4)
+  layer = Attention(12, 16, 4, layout, rngs=nnx.Rngs(4))
+  assert layer.wq.kernel[...].shape == (3, 12, 3 * 2 * 4)
+  check_layer(layer, (_x((B, 7, 12)),), (P(),), P(),
+              lambda p, x: ref.attention(x, p, 16, 8, 4, 500_000.0),
+              fn=_attention_fn(4, 500_000.0), grad_args=(0,))
+
+
+def _attention_fn(head_dim, theta):
+  def fn(m, x):
+    cos, sin = rope_angles(jnp.arange(x.shape[1])[None], head_dim, theta)
+    return m(x, cos, sin)
+  return fn
+
+
+@pytest.mark.parametrize("group", TP_GROUPS, ids=group_id)
+def test_vocab_parallel_embedding(group):
+  layout = make_layout(13, group[0], failed=group[1])
+  layer = VocabParallelEmbed(layout, 6, rngs=nnx.Rngs(5))
+  ids = jnp.array([[0, 12, 5, 6, 1], [11, 3, 3, 7, 2]], jnp.int32)
+  check_layer(layer, (ids,), (P(),), P(), lambda p, i: p["embedding"][i])
+
+
+def test_vocab_parallel_embedding_50257_on_7_slots():
+  layout = make_layout(50257, 7)
+  layer = VocabParallelEmbed(layout, 4, rngs=nnx.Rngs(6))
+  ids = jnp.array([[0, 50256, 7179, 7180, 7181, 25000, 43077, 43078]], jnp.int32)
+  check_layer(layer, (ids,), (P(),), P(), lambda p, i: p["embedding"][i])
+
+
+class _Logits(nnx.Module):
+  """Wraps split logits as a TPParam so check_layer differentiates them."""
+
+  def __init__(self, logits, layout):
+    from ntp_jax.layers.params import TPParam
+    from ntp_jax.blocks import to_blocks
+    self.logits = TPParam(to_blocks(logits, layout, -1), tp_layout=layout, tp_axis=logits.ndim - 1)
+
+
+def _cross_entropy_fn(layout):
+  def fn(m, labels):
+    return vocab_parallel_cross_entropy(m.logits[...][0], labels, layout)
+  return fn
+
+
+def test_cross_entropy_pinned_values():
+  layout = make_layout(4, 2)
+  module = _Logits(jnp.array([0.0, 1.0, 2.0, 3.0]), layout)
+  labels = jnp.array(3)
+  loss = tp_call(module, mesh_for(layout), labels, fn=_cross_entropy_fn(layout))
+  np.testing.assert_allclose(loss, 0.4401897, rtol=1e-6)
+  from ntp_jax.shard import to_logical
+  grad = jax.grad(lambda m: tp_call(m, mesh_for(layout), labels, fn=_cross_entropy_fn(layout)))(
+      module)
+  np.testing.assert_allclose(to_logical(nnx.state(grad))["logits"],
+                             [0.0320586, 0.0871443, 0.2368828, -0.3560858], atol=2e-6)
+
+
+@pytest.mark.parametrize("group", TP_GROUPS + [(8, (1, 2, 3, 4, 5, 6, 7))], ids=group_id)
+def test_cross_entropy(group):
+  layout = make_layout(7, group[0], failed=group[1])  # 7 rows: uneven, some slots empty at 8
+  logits = 3 * _x((B, S, 7), seed=7)
+  labels = jax.random.randint(jax.random.key(8), (B, S), 0, 7)
+  check_layer(_Logits(logits, layout), (labels,), (P(),), P(),
+              lambda p, y: ref.cross_entropy(p["logits"], y), fn=_cross_entropy_fn(layout))
+
+
+def test_cross_entropy_7_rows_over_8_slots_and_50257_on_7():
+  for layout, vocab in [(make_layout(7, 8), 7), (make_layout(50257, 7), 50257)]:
+    logits = 4 * _x((1, 3, vocab), seed=9)
+    labels = jnp.array([[0, vocab - 1, vocab // 2]])
+    check_layer(_Logits(logits, layout), (labels,), (P(),), P(),
+                lambda p, y: ref.cross_entropy(p["logits"], y), fn=_cross_entropy_fn(layout))
+
+
+def test_cross_entropy_padding_gets_no_mass():
+  # Padded logits would dominate if they leaked: the real logits are very negative.
+  layout = make_layout(3, 2)  # sizes 2, 1: slot 1 has one padded entry
+  logits = jnp.array([[-50.0, -60.0, -55.0]])
+  module = _Logits(logits, layout)
+  labels = jnp.array([0])
+  loss = tp_call(module, mesh_for(layout), labels, fn=_cross_entropy_fn(layout))
+  np.testing.assert_allclose(loss, ref.cross_entropy(logits, labels), rtol=1e-6)
+
+
+def test_rmsnorm_and_rope_match_reference():
+  x = _x((B, S, 8))
+  norm = RMSNorm(8, eps=1e-5)
+  norm.scale[...] = jnp.arange(1.0, 9.0)
+  np.testing.assert_allclose(norm(x), ref.rmsnorm(x, jnp.arange(1.0, 9.0), 1e-5), rtol=1e-5)
+  q = _x((B, S, 3, 8), seed=1)
+  cos, sin = rope_angles(jnp.arange(S)[None], 8, 10_000.0)
+  np.testing.assert_allclose(apply_rope(q, cos, sin), ref.rope(q, 10_000.0), rtol=1e-5, atol=1e-6)
+
+
+def test_layer_called_outside_shard_map_is_a_clear_error():
+  layer = ColumnParallelLinear(3, make_layout(4, 2), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="outside shard_map"):
+    layer(jnp.ones((1, 3)))

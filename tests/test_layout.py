@@ -1,0 +1,97 @@
+"""Layouts: apportionment, failed slots, weights, and their errors."""
+
+import numpy as np
+import pytest
+
+from ntp_jax.layout import Layout, apportion, live_slots, make_layout, units_of
+
+
+def test_equal_split_of_divisible_dim():
+  layout = make_layout(8, 8)
+  assert layout.units == (1,) * 8
+  assert layout.block == 1 and layout.offsets == tuple(range(8))
+
+
+def test_eight_kv_heads_on_seven_slots_after_failure():
+  layout = make_layout(8, 8, failed=[3])
+  assert layout.live_slots == (0, 1, 2, 4, 5, 6, 7)
+  assert layout.units == (2, 1, 1, 1, 1, 1, 1)
+  assert layout.block_units == 2
+
+
+def test_issue_cases():
+  assert make_layout(5, 2).units == (3, 2)  # d_ff 5 on 2 slots
+  heads = make_layout(8, 3)  # 8 KV heads, 16 query heads on 3 slots
+  assert heads.units == (3, 3, 2)
+  assert heads.with_unit_size(2).sizes == (6, 6, 4)
+  vocab = make_layout(50257, 7)
+  assert sum(vocab.units) == 50257 and max(vocab.units) - min(vocab.units) <= 1
+  assert make_layout(7, 8).units == (1, 1, 1, 1, 1, 1, 1, 0)
+
+
+def test_unit_size_scales_sizes_and_offsets():
+  layout = make_layout(5, 2, unit_size=4)
+  assert layout.sizes == (12, 8) and layout.offsets == (0, 12) and layout.size == 20
+  assert layout.block == 12
+
+
+def test_weights_proportional_with_largest_remainder():
+  # quotas 4, 2, 2 -> exact
+  assert make_layout(8, 3, weights=[2, 1, 1]).units == (4, 2, 2)
+  # quotas 3.33, 3.33, 3.33 -> one extra unit to the lowest index
+  assert apportion(10, [1, 1, 1]) == (4, 3, 3)
+  # a slow slot gets less; zero weight gets nothing
+  assert apportion(10, [1, 1, 0]) == (5, 5, 0)
+  # failed slots' weights are ignored
+  assert make_layout(6, 3, failed=[0], weights=[100, 1, 2]).units == (2, 4)
+
+
+@pytest.mark.parametrize("num_units,weights", [(17, [0.3, 1.7, 2.2, 0.9]), (128256, [1] * 7),
+                                               (0, [1, 1]), (3, [5, 1, 1, 1, 1])])
+def test_apportion_sums_and_stays_within_one_unit_of_quota(num_units, weights):
+  units = np.array(apportion(num_units, weights))
+  quota = num_units * np.array(weights) / np.sum(weights)
+  assert units.sum() == num_units
+  assert np.all(np.abs(units - quota) < 1)
+
+
+def test_gather_and_scatter_index_are_inverse():
+  layout = make_layout(7, 4, failed=[1], unit_size=3)
+  gather = layout.gather_index().reshape(-1)
+  assert np.array_equal(gather[layout.scatter_index()], np.arange(layout.size))
+  assert np.sum(gather >= 0) == layout.size
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_units=4, tp=2, failed=[0, 1]), "all 2 slots failed"),
+    (dict(num_units=4, tp=2, failed=[0, 1, 0]), "3 failed slots but the TP group has only 2"),
+    (dict(num_units=4, tp=2, failed=[2]), "slot 2 is outside"),
+    (dict(num_units=4, tp=3, failed=[1, 1]), "repeated slot"),
+    (dict(num_units=4, tp=2, weights=[1, -1]), "weights must be >= 0"),
+    (dict(num_units=4, tp=2, weights=[1, float("nan")]), "finite"),
+    (dict(num_units=4, tp=2, weights=[1, float("inf")]), "finite"),
+    (dict(num_units=4, tp=2, weights=[0, 0]), "positive weight"),
+    (dict(num_units=4, tp=2, weights=[1, 1, 1]), "expected 2 weights"),
+    (dict(num_units=4, tp=0), "mesh.tp"),
+])
+def test_invalid_requests_raise_value_error(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    make_layout(**kwargs)
+
+
+def test_granularity_must_divide():
+  assert units_of(14336, 2048, "model.ffn_granularity") == 7
+  with pytest.raises(ValueError, match="model.ffn_granularity: granularity 3 does not divide 10"):
+    units_of(10, 3, "model.ffn_granularity")
+
+
+def test_heads_not_divisible_by_kv_heads():
+  from models.gpt import GPTConfig
+  with pytest.raises(ValueError, match="model.n_heads: 6 is not a multiple of model.n_kv_heads 4"):
+    GPTConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=6, n_kv_heads=4, head_dim=2, d_ff=4)
+
+
+def test_layout_rejects_inconsistent_fields():
+  with pytest.raises(ValueError):
+    Layout(tp=2, live_slots=(0, 1), units=(1,))
+  assert live_slots(4, [0, 3]) == (1, 2)
