@@ -1,0 +1,54 @@
+"""Base configuration: every field the trainer reads, one comment each.
+
+Model files (gpt_tiny, gpt_small, gpt_8b) are small overlays on this one.
+Override any field on the command line: ``--config.train.steps=100``.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.workdir = "runs/default"  # metrics.jsonl, tokenizer and token cache go here
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 4096  # vocabulary (BPE trained to this size on text corpora)
+  c.model.d_model = 256  # residual width
+  c.model.n_layers = 4  # decoder blocks
+  c.model.n_heads = 8  # query heads
+  c.model.n_kv_heads = 4  # key/value heads (grouped-query attention)
+  c.model.head_dim = 32  # features per head
+  c.model.d_ff = 768  # SwiGLU hidden width
+  c.model.rope_theta = 500_000.0  # RoPE base (Llama 3)
+  c.model.norm_eps = 1e-5  # RMSNorm epsilon
+  c.model.ffn_granularity = 1  # MLP columns per shard unit
+  c.model.vocab_granularity = 1  # vocabulary rows per shard unit
+  c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
+  c.model.param_dtype = "float32"  # parameter storage dtype
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.tp = 8  # slots per TP group (devices per scale-up domain)
+  c.mesh.dp = 1  # DP replicas
+
+  c.ntp = ml_collections.ConfigDict()
+  c.ntp.failed = ""  # failed slots: "3" or "3,5" (slots of replica 0)
+  c.ntp.slot_weights = ""  # per-slot relative speeds, "1,1,0.5,..." (empty: equal)
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 200  # optimizer steps
+  c.train.seed = 0  # parameter init and data order
+  c.train.batch_size = 16  # sequences per step (global)
+  c.train.seq_len = 128  # tokens per sequence
+  c.train.lr = 3e-3  # peak learning rate
+  c.train.min_lr_ratio = 0.1  # final learning rate / peak (cosine decay)
+  c.train.warmup_steps = 20  # linear warmup steps
+  c.train.b1 = 0.9  # Adam beta1
+  c.train.b2 = 0.95  # Adam beta2
+  c.train.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only)
+  c.train.clip_norm = 1.0  # global gradient-norm clip
+  c.train.log_every = 10  # progress line every N steps
+
+  c.data = ml_collections.ConfigDict()
+  c.data.path = ""  # text file / folder / glob, or uint16 .bin tokens; empty: Python stdlib source
+  c.data.max_corpus_bytes = 4_000_000  # bytes of text read (tokenizer training and packing)
+  return c

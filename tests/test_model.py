@@ -1,0 +1,80 @@
+"""The whole GPT against a dense single-device reference, value and gradient."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import reference as ref
+from layer_check import assert_padding_zero
+from models.gpt import GPT, GPTConfig, count_params, model_layouts
+from ntp_jax.mesh import class_mesh
+from ntp_jax.shard import to_logical
+from ntp_jax.step import abstract_params, init_params, make_loss_and_grad
+from tp_cases import TP_GROUPS, group_id
+
+# Sizes that do not divide: 8 KV heads, 16 query heads, d_ff 20 in units of 4, vocabulary 37.
+CFG = GPTConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=4,
+                d_ff=20, ffn_granularity=4, rope_theta=10_000.0)
+
+
+def _batch(cfg, rows, seq, seed=0):
+  return jax.random.randint(jax.random.key(seed), (rows, seq + 1), 0, cfg.vocab_size)
+
+
+@pytest.mark.parametrize("group", TP_GROUPS, ids=group_id)
+def test_gpt_loss_and_gradient_match_dense_reference(group):
+  tp, failed = group
+  layouts = model_layouts(CFG, tp, failed)
+  mesh = class_mesh([0], layouts.heads.live_slots, tp)
+  graphdef, params = init_params(lambda: GPT(CFG, layouts, rngs=nnx.Rngs(0)), mesh)
+  batch = _batch(CFG, 3, 6)
+  loss, grads = jax.jit(make_loss_and_grad(graphdef, params, mesh, batch[:, 1:].size))(params, batch)
+
+  logical = to_logical(params)
+  ref_loss, ref_grads = jax.value_and_grad(ref.gpt_loss)(logical, batch[:, :-1], batch[:, 1:], CFG)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_padding_zero(grads)
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6),
+               to_logical(grads), ref_grads)
+  # Per-device shards have the padded-block shape.
+  kernel = params["blocks"][0]["mlp"]["gate"]["kernel"][...]
+  assert {s.data.shape for s in kernel.addressable_shards} == {(1, 16, layouts.ffn.block)}
+
+
+def test_same_seed_gives_same_logical_parameters_for_every_layout():
+  a = to_logical(nnx.state(GPT(CFG, model_layouts(CFG, 1), rngs=nnx.Rngs(3))))
+  b = to_logical(nnx.state(GPT(CFG, model_layouts(CFG, 8, (2, 5)), rngs=nnx.Rngs(3))))
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_gpt_8b_shapes_and_parameter_count_without_allocating():
+  import configs.gpt_8b
+  cfg = GPTConfig.from_config(configs.gpt_8b.get_config().model)
+  assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size) == (
+      32, 4096, 32, 8, 14336, 128256)
+  layouts = model_layouts(cfg, 8, failed=(3,))
+  params = abstract_params(lambda: GPT(cfg, layouts, rngs=nnx.Rngs(0)))
+  logical = jax.eval_shape(to_logical, params)
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(logical))
+  assert n == count_params(cfg)
+  assert abs(n - 8.03e9) < 0.005e9, n
+  # 8 KV heads on 7 slots: a padded block of 2 groups (4 query heads each, head_dim 128).
+  assert params["blocks"][0]["attn"]["wq"]["kernel"].get_value().shape == (7, 4096, 2 * 4 * 128)
+  assert params["blocks"][0]["mlp"]["gate"]["kernel"].get_value().shape == (7, 4096, 2048)
+
+
+def test_padding_stays_zero_after_optimizer_steps():
+  import optax
+  from ntp_jax.step import make_train_step
+  layouts = model_layouts(CFG, 8, (3,))
+  mesh = class_mesh([0], layouts.heads.live_slots, 8)
+  graphdef, params = init_params(lambda: GPT(CFG, layouts, rngs=nnx.Rngs(0)), mesh)
+  opt = optax.adamw(1e-2, weight_decay=0.1)
+  opt_state = opt.init(params)
+  step = make_train_step(graphdef, params, mesh, opt, 4 * 6)
+  for i in range(3):
+    params, opt_state, metrics = step(params, opt_state, _batch(CFG, 4, 6, seed=i))
+  assert_padding_zero(params)
+  assert np.isfinite(metrics["loss"])
