@@ -17,6 +17,7 @@ from flax import nnx
 
 from ntp_jax.layers import (Attention, ColumnParallelLinear, RMSNorm, SwiGLU, VocabParallelEmbed,
                             rope_angles, vocab_parallel_cross_entropy)
+from ntp_jax.errors import ConfigError
 from ntp_jax.layout import Layout, make_layout, units_of
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -44,17 +45,17 @@ class GPTConfig:
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                  "d_ff"):
       if getattr(self, name) < 1:
-        raise ValueError(f"model.{name}: must be >= 1, got {getattr(self, name)}")
+        raise ConfigError(f"model.{name}: must be >= 1, got {getattr(self, name)}")
     if self.n_heads % self.n_kv_heads:
-      raise ValueError(f"model.n_heads: {self.n_heads} is not a multiple of "
+      raise ConfigError(f"model.n_heads: {self.n_heads} is not a multiple of "
                        f"model.n_kv_heads {self.n_kv_heads}")
     if self.head_dim % 2:
-      raise ValueError(f"model.head_dim: RoPE needs an even head_dim, got {self.head_dim}")
+      raise ConfigError(f"model.head_dim: RoPE needs an even head_dim, got {self.head_dim}")
     units_of(self.d_ff, self.ffn_granularity, "model.ffn_granularity")
     units_of(self.vocab_size, self.vocab_granularity, "model.vocab_granularity")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"model.{name}: unknown dtype {getattr(self, name)!r}; "
+        raise ConfigError(f"model.{name}: unknown dtype {getattr(self, name)!r}; "
                          f"choose one of {sorted(_DTYPES)}")
 
   @classmethod
@@ -63,7 +64,7 @@ class GPTConfig:
     fields = {f.name for f in dataclasses.fields(cls)}
     extra = set(model_cfg.keys()) - fields
     if extra:
-      raise ValueError(f"model: unknown field(s) {sorted(extra)}")
+      raise ConfigError(f"model: unknown field(s) {sorted(extra)}")
     return cls(**dict(model_cfg))
 
   @property

@@ -83,3 +83,74 @@ def reduce_scatter_uneven(x: jax.Array, layout: Layout, axis: int = -1) -> jax.A
   mask_shape[axis] = index.size
   padded = jnp.where((index >= 0).reshape(mask_shape), padded, jnp.zeros((), x.dtype))
   return jax.lax.psum_scatter(padded, TP, scatter_dimension=axis, tiled=True)
+
+
+def transfer_schedule(src: Layout, dst: Layout) -> list[dict[str, np.ndarray | int]]:
+  """Static ppermute schedule that moves a split dimension from layout ``src`` to ``dst``.
+
+  Both layouts are contiguous runs over the same ``degree`` positions and the
+  same logical size. Source position ``i`` sends to ``i + shift`` the overlap
+  of its run with the destination's run; for each shift there is one
+  ``ppermute`` of a piece of ``length`` elements (the longest overlap).
+
+  Returns:
+    One dict per shift with ``shift``, ``length``, and int32 tables indexed by
+    position: ``send_start``/``send_len`` (in the source block),
+    ``recv_start``/``recv_len`` (in the destination block).
+  """
+  if src.size != dst.size or src.degree != dst.degree:
+    raise ValueError(f"reshard: layouts differ in size or degree ({src} -> {dst})")
+  n = src.degree
+  by_shift: dict[int, dict[str, np.ndarray]] = {}
+  for i, (a, la) in enumerate(zip(src.offsets, src.sizes)):
+    for j, (c, lc) in enumerate(zip(dst.offsets, dst.sizes)):
+      lo, hi = max(a, c), min(a + la, c + lc)
+      if hi <= lo:
+        continue
+      entry = by_shift.setdefault(j - i, {k: np.zeros(n, np.int32) for k in (
+          "send_start", "send_len", "recv_start", "recv_len")})
+      entry["send_start"][i], entry["send_len"][i] = lo - a, hi - lo
+      entry["recv_start"][j], entry["recv_len"][j] = lo - c, hi - lo
+  return [dict(shift=shift, length=int(t["send_len"].max()), **t)
+          for shift, t in sorted(by_shift.items(), key=lambda kv: (kv[0] != 0, abs(kv[0])))]
+
+
+def reshard_uneven(x_blk: jax.Array, src: Layout, dst: Layout, axis: int) -> jax.Array:
+  """Move this device's block from layout ``src`` to layout ``dst`` inside the TP group.
+
+  Only elements that change device move (one ``ppermute`` per distinct
+  shift of ``transfer_schedule``); nothing is gathered whole.
+
+  Args:
+    x_blk: local block, ``src.block`` long on ``axis`` (zero in padding).
+    src, dst: contiguous layouts of one dimension over the same positions.
+    axis: the block axis of ``x_blk``.
+
+  Returns:
+    The local block in ``dst``: ``dst.block`` long on ``axis``, zero in padding.
+  """
+  axis = axis % x_blk.ndim
+  schedule = transfer_schedule(src, dst)
+  longest = max((t["length"] for t in schedule), default=0)
+  pad = [(0, 0)] * x_blk.ndim
+  pad[axis] = (0, longest)
+  source = jnp.pad(x_blk, pad)
+  out_shape = list(x_blk.shape)
+  out_shape[axis] = dst.block + longest
+  out = jnp.zeros(out_shape, x_blk.dtype)
+  pos = slot_position()
+  for t in schedule:
+    length = t["length"]
+    keep_shape = [1] * x_blk.ndim
+    keep_shape[axis] = length
+    steps = jnp.arange(length).reshape(keep_shape)
+    piece = jax.lax.dynamic_slice_in_dim(source, jnp.asarray(t["send_start"])[pos], length, axis)
+    piece = jnp.where(steps < jnp.asarray(t["send_len"])[pos], piece, 0)
+    if t["shift"]:
+      pairs = [(i, i + t["shift"]) for i in range(src.degree) if t["send_len"][i] > 0]
+      piece = jax.lax.ppermute(piece, TP, pairs)
+    piece = jnp.where(steps < jnp.asarray(t["recv_len"])[pos], piece, 0)
+    start = jnp.asarray(t["recv_start"])[pos]
+    current = jax.lax.dynamic_slice_in_dim(out, start, length, axis)
+    out = jax.lax.dynamic_update_slice_in_dim(out, current + piece, start, axis)
+  return jax.lax.slice_in_dim(out, 0, dst.block, axis=axis)

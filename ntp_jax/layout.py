@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ntp_jax.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -111,18 +113,18 @@ def live_slots(tp: int, failed: Sequence[int] = ()) -> tuple[int, ...]:
       failed slot, or every slot failed.
   """
   if tp < 1:
-    raise ValueError(f"mesh.tp: must be >= 1, got {tp}")
+    raise ConfigError(f"mesh.tp: must be >= 1, got {tp}")
   failed = list(failed)
   if len(failed) > tp:
-    raise ValueError(f"ntp.failed: {len(failed)} failed slots but the TP group has only {tp}")
+    raise ConfigError(f"ntp.failed: {len(failed)} failed slots but the TP group has only {tp}")
   for slot in failed:
     if not 0 <= slot < tp:
-      raise ValueError(f"ntp.failed: slot {slot} is outside the TP group [0, {tp})")
+      raise ConfigError(f"ntp.failed: slot {slot} is outside the TP group [0, {tp})")
   if len(set(failed)) != len(failed):
-    raise ValueError(f"ntp.failed: repeated slot in {sorted(failed)}")
+    raise ConfigError(f"ntp.failed: repeated slot in {sorted(failed)}")
   live = tuple(s for s in range(tp) if s not in set(failed))
   if not live:
-    raise ValueError(f"ntp.failed: all {tp} slots failed; no TP group is left")
+    raise ConfigError(f"ntp.failed: all {tp} slots failed; no TP group is left")
   return live
 
 
@@ -138,13 +140,13 @@ def apportion(num_units: int, weights: Sequence[float]) -> tuple[int, ...]:
   """
   weights = np.asarray(weights, dtype=np.float64)
   if weights.size == 0:
-    raise ValueError("ntp.slot_weights: no live slot to apportion over")
+    raise ConfigError("ntp.slot_weights: no live slot to apportion over")
   if not np.all(np.isfinite(weights)):
-    raise ValueError(f"ntp.slot_weights: weights must be finite, got {weights.tolist()}")
+    raise ConfigError(f"ntp.slot_weights: weights must be finite, got {weights.tolist()}")
   if np.any(weights < 0):
-    raise ValueError(f"ntp.slot_weights: weights must be >= 0, got {weights.tolist()}")
+    raise ConfigError(f"ntp.slot_weights: weights must be >= 0, got {weights.tolist()}")
   if weights.sum() <= 0:
-    raise ValueError("ntp.slot_weights: at least one live slot needs a positive weight")
+    raise ConfigError("ntp.slot_weights: at least one live slot needs a positive weight")
   if num_units < 0:
     raise ValueError(f"layout: number of units must be >= 0, got {num_units}")
   quotas = num_units * weights / weights.sum()
@@ -183,7 +185,7 @@ def make_layout(
   else:
     weights = list(weights)
     if len(weights) != tp:
-      raise ValueError(
+      raise ConfigError(
           f"ntp.slot_weights: expected {tp} weights (one per slot), got {len(weights)}")
     live_weights = [weights[s] for s in live]
   return Layout(tp=tp, live_slots=live, units=apportion(num_units, live_weights),
@@ -197,9 +199,9 @@ def units_of(dim: int, granularity: int, field: str) -> int:
     ValueError: naming ``field`` when ``granularity`` does not divide ``dim``.
   """
   if granularity < 1:
-    raise ValueError(f"{field}: granularity must be >= 1, got {granularity}")
+    raise ConfigError(f"{field}: granularity must be >= 1, got {granularity}")
   if dim % granularity:
-    raise ValueError(f"{field}: granularity {granularity} does not divide {dim}")
+    raise ConfigError(f"{field}: granularity {granularity} does not divide {dim}")
   return dim // granularity
 
 

@@ -1,37 +1,69 @@
-"""AdamW with warmup-cosine schedule and global-norm clipping (optax).
+"""AdamW with warmup-cosine schedule, and global-norm clipping of logical gradients.
 
-Weight decay applies to matrices (``ndim > 1``: every padded-block kernel
-and embedding), not to RMSNorm scales. Padded entries stay exactly zero:
-their gradient is zero, so both Adam moments and the decayed value are zero.
-Source: Loshchilov & Hutter, AdamW (arXiv:1711.05101).
+Weight decay applies to the split kernels and embeddings (``TPParam``), not to
+RMSNorm scales. Padded entries stay exactly zero: their gradient is zero, so
+both Adam moments and the decayed value stay zero.
+
+Clipping is done here rather than by ``optax.clip_by_global_norm`` because a
+class program stores one copy of the gradients per DP replica (see
+``ntp_jax.shard.replica_specs``): the norm must count each logical element
+once, not once per replica. Padding is zero, so it adds nothing.
+Source: Loshchilov & Hutter, AdamW (arXiv:1711.05101); Pascanu et al.,
+gradient clipping (arXiv:1211.5063).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
+from flax import nnx
+
+from ntp_jax.errors import ConfigError
+from ntp_jax.layers.params import TPParam
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
-  """From the ``train`` config section: ``lr``, ``warmup_steps``, ``steps``,
-  ``min_lr_ratio``, ``b1``, ``b2``, ``weight_decay``, ``clip_norm``.
+  """AdamW from the ``train`` config section (``lr``, ``warmup_steps``, ``steps``,
+  ``min_lr_ratio``, ``b1``, ``b2``, ``weight_decay``); clipping is separate.
 
   Raises:
-    ValueError: naming the field, for a negative learning rate, clip norm or steps.
+    ConfigError: naming the field, for a negative learning rate, clip norm,
+      weight decay, or fewer than one step.
   """
   for name in ("lr", "clip_norm", "weight_decay"):
     if train_cfg[name] < 0:
-      raise ValueError(f"train.{name}: must be >= 0, got {train_cfg[name]}")
+      raise ConfigError(f"train.{name}: must be >= 0, got {train_cfg[name]}")
   if train_cfg.steps < 1:
-    raise ValueError(f"train.steps: must be >= 1, got {train_cfg.steps}")
+    raise ConfigError(f"train.steps: must be >= 1, got {train_cfg.steps}")
   warmup = min(train_cfg.warmup_steps, train_cfg.steps)
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=train_cfg.lr, warmup_steps=warmup,
       decay_steps=max(train_cfg.steps, warmup + 1),
       end_value=train_cfg.lr * train_cfg.min_lr_ratio)
-  decay_mask = lambda params: jax.tree.map(lambda x: x.ndim > 1, params)
-  return optax.chain(
-      optax.clip_by_global_norm(train_cfg.clip_norm),
-      optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2, eps=1e-8,
-                  weight_decay=train_cfg.weight_decay, mask=decay_mask),
-  )
+  return optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2, eps=1e-8,
+                     weight_decay=train_cfg.weight_decay, mask=decay_mask)
+
+
+def decay_mask(params: nnx.State) -> nnx.State:
+  """True for ``TPParam`` (kernels, embeddings), False for replicated scales."""
+  return jax.tree.map(lambda v: v.replace(isinstance(v, TPParam)), params,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def logical_norm(grads: nnx.State, replicas: int = 1) -> jax.Array:
+  """L2 norm of the logical gradient from ``replicas`` identical stacked copies.
+
+  Args:
+    grads: replica-stacked gradients (every replica's copy equal, padding zero).
+    replicas: length of the leading replica axis (1 for an unstacked tree).
+  """
+  return jnp.sqrt(optax.tree.norm(grads, squared=True) / replicas)
+
+
+def clip_by_logical_norm(grads: nnx.State, norm: jax.Array, clip_norm: float) -> nnx.State:
+  """Scale ``grads`` by ``clip_norm / norm`` when ``norm > clip_norm`` (0 disables)."""
+  if not clip_norm:
+    return grads
+  scale = jnp.where(norm > clip_norm, clip_norm / norm, 1.0)
+  return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)

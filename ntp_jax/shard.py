@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from ntp_jax.blocks import from_blocks, to_blocks
 from ntp_jax.layers.params import TPParam
-from ntp_jax.mesh import TP
+from ntp_jax.mesh import DP, TP
 
 
 def _is_variable(x: Any) -> bool:
@@ -32,18 +32,55 @@ def state_specs(state: nnx.State) -> nnx.State:
                       is_leaf=_is_variable)
 
 
+def replica_specs(state: nnx.State) -> nnx.State:
+  """Specs of a replica-stacked state: ``P('dp', 'tp')`` for ``TPParam``, ``P('dp')`` otherwise.
+
+  A class program keeps one copy of the parameters per DP replica, stacked on
+  a leading replica axis: ``TPParam`` blocks are ``[replicas, degree, ...]``,
+  replicated variables ``[replicas, ...]``. Each device holds only its own
+  replica's block (the memory is that of one copy per device).
+  """
+  return jax.tree.map(lambda v: P(DP, TP) if isinstance(v, TPParam) else P(DP), state,
+                      is_leaf=_is_variable)
+
+
+def stack_replicas(state: nnx.State, replicas: int) -> nnx.State:
+  """Add a leading replica axis of length ``replicas`` (copies) to every variable."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas,) + x.shape), state)
+
+
+def replica_view(stacked: nnx.State, replica: int = 0) -> nnx.State:
+  """One replica's copy of a replica-stacked state (leading axis removed)."""
+  return jax.tree.map(lambda x: x[replica], stacked)
+
+
+def unstack_local(local: nnx.State) -> nnx.State:
+  """Inside ``shard_map``: drop the length-1 local replica axis of a stacked state."""
+  return jax.tree.map(lambda x: x[0], local)
+
+
+def restack_local(local: nnx.State) -> nnx.State:
+  """Inside ``shard_map``: restore the length-1 local replica axis."""
+  return jax.tree.map(lambda x: x[None], local)
+
+
+def spec_shardings(specs: Any, mesh: Mesh) -> Any:
+  """``NamedSharding`` for each ``PartitionSpec`` of a spec tree."""
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
 def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
   """``NamedSharding`` per variable on ``mesh`` (replicated over ``'dp'``)."""
-  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(state),
-                      is_leaf=lambda x: isinstance(x, P))
+  return spec_shardings(state_specs(state), mesh)
 
 
 def to_logical(state: nnx.State) -> dict:
   """Nested dict of logical arrays: blocks of each ``TPParam`` joined, padding dropped."""
   def logical(v):
     if isinstance(v, TPParam):
-      return from_blocks(v[...], v.tp_layout, v.tp_axis)
-    return v[...]
+      return from_blocks(v.get_value(), v.tp_layout, v.tp_axis)
+    return v.get_value()
   return nnx.to_pure_dict(jax.tree.map(logical, state, is_leaf=_is_variable))
 
 

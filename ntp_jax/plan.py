@@ -1,0 +1,212 @@
+"""The job's placement: replicas, their live slots and classes, and batch shares.
+
+A job has ``dp`` DP replicas of ``tp`` slots each. After failures a replica
+keeps its live slots and trains at TP degree ``t = live slots`` (NTP); a
+replica with no live slot is dropped. Replicas with the same live slots
+share one layout and form a *replica class*, which runs one compiled
+program over its own sub-mesh. Batch shares keep every live device equally
+busy: ``proportional`` gives a replica at degree ``t`` about ``t/T`` of a
+healthy replica's sequences. Source: Arfeen et al., arXiv:2504.06095, Sec. 4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ntp_jax.errors import ConfigError
+from ntp_jax.layout import live_slots as live_slots_of
+
+REBALANCE = ("proportional", "equal")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaPlan:
+  """One live DP replica."""
+
+  replica: int  # DP index in the job
+  live_slots: tuple[int, ...]
+  batch_share: int  # sequences per step
+  class_index: int
+
+  @property
+  def degree(self) -> int:
+    return len(self.live_slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaClass:
+  """Replicas sharing one layout: one compiled program over a ``(replicas, degree)`` mesh."""
+
+  index: int
+  live_slots: tuple[int, ...]
+  replicas: tuple[int, ...]
+  layouts: Any  # the model's layouts for these live slots (e.g. models.gpt.ModelLayouts)
+  batch_share: int  # sequences per replica per step
+
+  @property
+  def degree(self) -> int:
+    return len(self.live_slots)
+
+  @property
+  def batch_rows(self) -> int:
+    return self.batch_share * len(self.replicas)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The whole job's placement for one failure state."""
+
+  tp: int
+  dp: int
+  replicas: tuple[ReplicaPlan, ...]  # live replicas, ascending
+  dropped: tuple[int, ...]  # replicas with every slot failed
+  classes: tuple[ReplicaClass, ...]
+  rebalance: str
+
+  @property
+  def global_batch(self) -> int:
+    """Sequences per step over all live replicas."""
+    return sum(r.batch_share for r in self.replicas)
+
+  @property
+  def live_devices(self) -> int:
+    return sum(r.degree for r in self.replicas)
+
+  def class_rows(self) -> list[tuple[int, int]]:
+    """``(start, stop)`` rows of the step's global batch for each class, in class order."""
+    rows, start = [], 0
+    for c in self.classes:
+      rows.append((start, start + c.batch_rows))
+      start += c.batch_rows
+    return rows
+
+  def describe(self) -> str:
+    """Multi-line table: one line per replica (live slots, degree, class, share)."""
+    lines = [f"plan: {self.dp} DP replica(s) x {self.tp} slots, {self.live_devices} live devices, "
+             f"{self.global_batch} sequences per step ({self.rebalance} batch shares)"]
+    for r in self.replicas:
+      state = "healthy" if r.degree == self.tp else "reduced"
+      lines.append(f"  replica {r.replica}: TP degree {r.degree} ({state}), live slots "
+                   f"{','.join(map(str, r.live_slots))}, class {r.class_index}, "
+                   f"batch share {r.batch_share}")
+    for d in self.dropped:
+      lines.append(f"  replica {d}: dropped (every slot failed)")
+    return "\n".join(lines)
+
+
+def parse_failed(text: str, dp: int, tp: int) -> dict[int, tuple[int, ...]]:
+  """``ntp.failed`` -> failed slots per replica.
+
+  Accepts ``""``, bare slots of replica 0 (``"3"``, ``"3,5"``) and
+  ``replica:slot`` pairs (``"1:3"``, ``"0:2,1:5,1:6"``), mixed freely.
+
+  Raises:
+    ConfigError: a malformed item, an unknown replica or slot, a duplicated pair.
+  """
+  text = str(text).strip()
+  failed: dict[int, list[int]] = {}
+  if not text:
+    return {}
+  for item in text.split(","):
+    item = item.strip()
+    match = re.fullmatch(r"(?:(\d+):)?(\d+)", item)
+    if not match:
+      raise ConfigError(f"ntp.failed: {item!r} is not a slot ('3') or a replica:slot pair "
+                        f"('1:3'); got {text!r}")
+    replica = int(match.group(1) or 0)
+    slot = int(match.group(2))
+    if replica >= dp:
+      raise ConfigError(f"ntp.failed: replica {replica} in {item!r} does not exist "
+                        f"(mesh.dp={dp})")
+    if slot >= tp:
+      raise ConfigError(f"ntp.failed: slot {slot} in {item!r} does not exist (mesh.tp={tp})")
+    if slot in failed.get(replica, []):
+      raise ConfigError(f"ntp.failed: replica {replica} slot {slot} is listed twice in {text!r}")
+    failed.setdefault(replica, []).append(slot)
+  return {r: tuple(sorted(s)) for r, s in sorted(failed.items())}
+
+
+def parse_weights(text: str, tp: int) -> tuple[float, ...] | None:
+  """``ntp.slot_weights`` -> one relative speed per slot, or None (equal).
+
+  Raises:
+    ConfigError: not numbers, or not ``mesh.tp`` of them.
+  """
+  text = str(text).strip()
+  if not text:
+    return None
+  try:
+    weights = tuple(float(w) for w in text.split(","))
+  except ValueError:
+    raise ConfigError(f"ntp.slot_weights: {text!r} is not a comma-separated list of numbers") from None
+  if len(weights) != tp:
+    raise ConfigError(f"ntp.slot_weights: {len(weights)} weights given, mesh.tp={tp} slots "
+                      "need one each")
+  return weights
+
+
+def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None], Any], *,
+              tp: int, dp: int, failed: str = "", slot_weights: str = "", batch_size: int,
+              rebalance: str = "proportional") -> Plan:
+  """Plan a job of ``dp`` replicas x ``tp`` slots after the given failures.
+
+  Args:
+    make_layouts: ``(tp, failed_slots, weights) -> layouts`` of the model for
+      one TP group (e.g. ``functools.partial(models.gpt.model_layouts, cfg)``).
+    tp, dp: ``mesh.tp``, ``mesh.dp``.
+    failed: ``ntp.failed`` text (see ``parse_failed``).
+    slot_weights: ``ntp.slot_weights`` text (see ``parse_weights``).
+    batch_size: ``train.batch_size``, sequences per step of the healthy job.
+    rebalance: ``ntp.rebalance``: ``proportional`` (share ~ degree / tp) or ``equal``.
+
+  Raises:
+    ConfigError: bad settings; every replica dropped; a batch that does not
+      split over the replicas.
+  """
+  if dp < 1:
+    raise ConfigError(f"mesh.dp: must be >= 1, got {dp}")
+  if tp < 1:
+    raise ConfigError(f"mesh.tp: must be >= 1, got {tp}")
+  if rebalance not in REBALANCE:
+    raise ConfigError(f"ntp.rebalance: {rebalance!r} is not one of {', '.join(REBALANCE)}")
+  if batch_size < 1 or batch_size % dp:
+    raise ConfigError(f"train.batch_size: {batch_size} sequences do not split evenly over "
+                      f"mesh.dp={dp} replicas")
+  failed_by_replica = parse_failed(failed, dp, tp)
+  weights = parse_weights(slot_weights, tp)
+  healthy_share = batch_size // dp
+
+  live_by_replica, dropped = {}, []
+  for r in range(dp):
+    if len(failed_by_replica.get(r, ())) == tp:
+      dropped.append(r)
+    else:
+      live_by_replica[r] = live_slots_of(tp, failed_by_replica.get(r, ()))
+  if not live_by_replica:
+    raise ConfigError(f"ntp.failed: every slot of every replica failed ({failed!r}); "
+                      "no replica is left to train")
+
+  def share(degree: int) -> int:
+    if rebalance == "equal":
+      return healthy_share
+    return max(1, (healthy_share * degree + tp // 2) // tp)
+
+  # Classes in order of first appearance; healthy replicas first when present.
+  by_slots: dict[tuple[int, ...], list[int]] = {}
+  for r, slots in sorted(live_by_replica.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+    by_slots.setdefault(slots, []).append(r)
+  classes = []
+  for index, (slots, replicas) in enumerate(by_slots.items()):
+    failed_slots = tuple(s for s in range(tp) if s not in slots)
+    classes.append(ReplicaClass(index=index, live_slots=slots, replicas=tuple(replicas),
+                                layouts=make_layouts(tp, failed_slots, weights),
+                                batch_share=share(len(slots))))
+  replicas = tuple(
+      ReplicaPlan(replica=r, live_slots=c.live_slots, batch_share=c.batch_share,
+                  class_index=c.index)
+      for c in classes for r in c.replicas)
+  return Plan(tp=tp, dp=dp, replicas=tuple(sorted(replicas, key=lambda r: r.replica)),
+              dropped=tuple(dropped), classes=tuple(classes), rebalance=rebalance)

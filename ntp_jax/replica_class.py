@@ -1,0 +1,206 @@
+"""Programs of one replica class, and the job's step over all classes.
+
+A class program runs over its own ``('dp', 'tp')`` sub-mesh and keeps one
+copy of parameters and optimizer state per replica (``shard.replica_specs``).
+With one class the DP all-reduce runs inside the class program (a plain
+``psum`` over ``'dp'``), fused with the optimizer update. With several
+classes a step is: each class computes its gradients and moves them to the
+sync layout; ``sync.CrossClassSync`` all-reduces the peer groups; each class
+moves them back and applies the update. Programs of different classes are
+dispatched back to back and run concurrently on their own devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ntp_jax.mesh import DP, TP, class_mesh
+from ntp_jax.optim import clip_by_logical_norm, logical_norm
+from ntp_jax.plan import Plan, ReplicaClass
+from ntp_jax.shard import (replica_specs, restack_local, spec_shardings, stack_replicas,
+                           unstack_local)
+from ntp_jax.sync import CrossClassSync, from_sync_blocks, to_sync_blocks
+
+
+@dataclasses.dataclass
+class ClassProgram:
+  """State and compiled functions of one replica class."""
+
+  replica_class: ReplicaClass
+  mesh: Mesh
+  graphdef: nnx.GraphDef
+  params: nnx.State  # replica-stacked
+  opt_state: Any
+  step: Callable[..., Any] | None = None  # single class: fused grad + all-reduce + update
+  grad: Callable[..., Any] | None = None  # several classes: (params, batch) -> (loss, sync blocks)
+  update: Callable[..., Any] | None = None  # several classes: (params, opt, blocks) -> ...
+
+  @property
+  def replicas(self) -> int:
+    return len(self.replica_class.replicas)
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P(DP))
+
+
+def init_stacked_params(make_model: Callable[[], nnx.Module], mesh: Mesh,
+                        replicas: int) -> tuple[nnx.GraphDef, nnx.State]:
+  """Parameters built directly in their sharded, replica-stacked layout on ``mesh``."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+  shardings = spec_shardings(replica_specs(abstract), mesh)
+  params = jax.jit(lambda: stack_replicas(nnx.split(make_model())[1], replicas),
+                   out_shardings=shardings)()
+  return graphdef, params
+
+
+def _local_grads(graphdef, params_local, batch, global_tokens):
+  """Inside the body: this replica's loss share and gradients on its local blocks."""
+  params = unstack_local(params_local)
+
+  def loss_of(p):
+    # batch: int32 [local sequences, seq + 1]
+    return nnx.merge(graphdef, p).loss_sum(batch[:, :-1], batch[:, 1:]) / global_tokens
+
+  return jax.value_and_grad(loss_of)(params)
+
+
+def _update(optimizer, clip_norm, replicas):
+  def update(params, opt_state, grads):
+    norm = logical_norm(grads, replicas)
+    grads = clip_by_logical_norm(grads, norm, clip_norm)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, norm
+  return update
+
+
+def make_fused_step(program: ClassProgram, optimizer: optax.GradientTransformation,
+                    clip_norm: float, global_tokens: int):
+  """Single-class step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+  specs = replica_specs(program.params)
+
+  def grads_body(params_local, batch):
+    loss, grads = _local_grads(program.graphdef, params_local, batch, global_tokens)
+    # DP all-reduce inside the class: every replica holds the same layout.
+    return jax.lax.psum(loss, DP), restack_local(jax.lax.psum(grads, DP))
+
+  grads_fn = jax.shard_map(grads_body, mesh=program.mesh, in_specs=(specs, P(DP)),
+                           out_specs=(P(), specs))
+  update = _update(optimizer, clip_norm, program.replicas)
+
+  def step(params, opt_state, batch):
+    loss, grads = grads_fn(params, batch)
+    params, opt_state, norm = update(params, opt_state, grads)
+    return params, opt_state, {"loss": loss, "grad_norm": norm}
+
+  shardings = spec_shardings(specs, program.mesh)
+  return jax.jit(step, donate_argnums=(0, 1),
+                 in_shardings=(shardings, None, program.batch_sharding),
+                 out_shardings=(shardings, None, None))
+
+
+def make_split_step(program: ClassProgram, optimizer: optax.GradientTransformation,
+                    clip_norm: float, global_tokens: int, t_min: int):
+  """Several classes: the gradient half (to sync blocks) and the update half (from them)."""
+  specs = replica_specs(program.params)
+  degree = program.replica_class.degree
+  graphdef = program.graphdef
+
+  def grad_body(params_local, batch):
+    loss, grads = _local_grads(graphdef, params_local, batch, global_tokens)
+    blocks = to_sync_blocks(grads, degree, t_min)
+    # Replicated variables' sync blocks differ by slot: type them as split over 'tp'.
+    return jax.lax.psum(loss, DP), {k: v[None] for k, v in blocks.items()}
+
+  block_specs = P(DP, TP)
+
+  grad_fn = jax.jit(jax.shard_map(grad_body, mesh=program.mesh, in_specs=(specs, P(DP)),
+                                  out_specs=(P(), block_specs)),
+                    in_shardings=(spec_shardings(specs, program.mesh), program.batch_sharding))
+
+  def restore_body(blocks, params_local):
+    template = unstack_local(params_local)
+    local = {k: v[0] for k, v in blocks.items()}
+    return restack_local(from_sync_blocks(local, template, degree, t_min))
+
+  restore = jax.shard_map(restore_body, mesh=program.mesh, in_specs=(block_specs, specs),
+                          out_specs=specs)
+  update = _update(optimizer, clip_norm, program.replicas)
+
+  def update_step(params, opt_state, blocks):
+    grads = restore(blocks, params)
+    return update(params, opt_state, grads)
+
+  shardings = spec_shardings(specs, program.mesh)
+  update_fn = jax.jit(update_step, donate_argnums=(0, 1),
+                      out_shardings=(shardings, None, None))
+  return grad_fn, update_fn
+
+
+def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
+                         optimizer: optax.GradientTransformation, clip_norm: float,
+                         global_tokens: int, devices: Sequence[jax.Device]) -> list[ClassProgram]:
+  """Initialise every class's parameters and optimizer state and compile its step.
+
+  Args:
+    make_model: ``layouts -> module``; the same seed must give the same
+      logical parameters for every layout.
+  """
+  programs = []
+  for replica_class in plan.classes:
+    mesh = class_mesh(replica_class.replicas, replica_class.live_slots, plan.tp, devices)
+    graphdef, params = init_stacked_params(lambda: make_model(replica_class.layouts), mesh,
+                                           len(replica_class.replicas))
+    opt_state = jax.jit(optimizer.init)(params)
+    programs.append(ClassProgram(replica_class, mesh, graphdef, params, opt_state))
+  if len(programs) == 1:
+    programs[0].step = make_fused_step(programs[0], optimizer, clip_norm, global_tokens)
+  else:
+    t_min = min(c.degree for c in plan.classes)
+    for program in programs:
+      program.grad, program.update = make_split_step(program, optimizer, clip_norm,
+                                                     global_tokens, t_min)
+  return programs
+
+
+class JobStep:
+  """One training step of the whole job over its class programs."""
+
+  def __init__(self, plan: Plan, programs: list[ClassProgram]):
+    self.plan = plan
+    self.programs = programs
+    self.sync = None
+    if len(programs) > 1:
+      self.sync = CrossClassSync([p.mesh for p in programs],
+                                 min(c.degree for c in plan.classes))
+
+  def __call__(self, batch: np.ndarray) -> dict[str, jax.Array]:
+    """``batch``: int32 ``[plan.global_batch, seq + 1]``, rows in class order."""
+    rows = self.plan.class_rows()
+    if self.sync is None:
+      program = self.programs[0]
+      program.params, program.opt_state, metrics = program.step(
+          program.params, program.opt_state, batch)
+      return metrics
+    losses, blocks = [], []
+    for program, (start, stop) in zip(self.programs, rows):
+      loss, class_blocks = program.grad(program.params,
+                                        jax.device_put(batch[start:stop], program.batch_sharding))
+      losses.append(loss)
+      blocks.append(class_blocks)
+    synced = self.sync(blocks)
+    norm = None
+    for program, class_blocks in zip(self.programs, synced):
+      program.params, program.opt_state, norm = program.update(
+          program.params, program.opt_state, class_blocks)
+    # Class losses live on disjoint devices: add them on the host (after dispatching updates).
+    return {"loss": np.float32(sum(float(loss) for loss in losses)), "grad_norm": norm}

@@ -1,0 +1,187 @@
+"""DP gradient sync across replica classes of different TP degree.
+
+Replicas of one class share a layout, replicas of different classes do not,
+so their gradient blocks cannot be all-reduced slot by slot. The sync goes
+through a *sync layout* shared by every replica: each split dimension is cut
+into ``t_min`` contiguous, near-equal runs (``t_min`` = the smallest TP
+degree in the job), held by the first ``t_min`` live slots of every replica
+(the *core* slots). Three phases per step:
+
+1. inside each scale-up domain, every replica moves its gradient blocks from
+   its own layout to the sync layout (``collectives.reshard_uneven``: only
+   the elements that change device move; replicated parameters are cut
+   locally, nothing moves);
+2. across domains, each *peer group* (core slot ``j`` of every live replica)
+   all-reduces its equal-size buffers: one program over a ``('replica',
+   'peer')`` mesh of the core devices, assembled from the class programs'
+   per-device buffers without copies;
+3. inside each domain, the synced blocks move back to the replica's layout
+   (replicated parameters are re-assembled by a masked all-reduce).
+
+Bytes per step (``G`` = logical gradient bytes, ``R`` live replicas): across
+domains, each peer group all-reduces ``G / t_min`` (a ring moves
+``2 (R-1)/R * G / t_min`` per core device), the same total ``G`` per replica
+as a uniform DP all-reduce; inside a domain of degree ``t``, phases 1 and 3
+move at most ``G / t`` per device each way. See ``docs/sync.md``.
+Source: Arfeen et al., arXiv:2504.06095, Sec. 4.2 (gradient sync between
+replicas of different TP degree), in our own formulation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ntp_jax.collectives import reshard_uneven, slot_position, tp_sum
+from ntp_jax.layers.params import TPParam
+from ntp_jax.layout import Layout, apportion
+from ntp_jax.mesh import DP, TP
+
+REPLICA = "replica"  # axis of the sync mesh: every live replica
+PEER = "peer"  # axis of the sync mesh: core slot position (peer group)
+
+
+def sync_layout(layout: Layout, t_min: int) -> Layout:
+  """The sync layout of a dimension split by ``layout``, over the same positions.
+
+  Positions ``0 .. t_min-1`` hold near-equal contiguous runs (largest
+  remainder); positions ``t_min ..`` hold nothing.
+  """
+  units = apportion(layout.num_units, [1.0] * t_min) + (0,) * (layout.degree - t_min)
+  return Layout(tp=layout.tp, live_slots=layout.live_slots, units=units,
+                unit_size=layout.unit_size)
+
+
+def _flat_layout(numel: int, degree: int, t_min: int) -> Layout:
+  """Sync layout of a replicated variable, flattened to ``numel`` elements."""
+  return sync_layout(Layout(tp=degree, live_slots=tuple(range(degree)),
+                            units=(numel,) + (0,) * (degree - 1)), t_min)
+
+
+def to_sync_blocks(grads: nnx.State, degree: int, t_min: int) -> dict:
+  """Inside a class ``shard_map`` body: local gradients -> local sync blocks.
+
+  Args:
+    grads: this device's gradients (``TPParam`` blocks ``[1, ...]``, replicated
+      variables whole).
+    degree: the class's TP degree. t_min: the job's smallest TP degree.
+
+  Returns:
+    Flat dict ``path -> block``, each with a leading slot axis of length 1;
+    ``TPParam`` blocks keep their shape but for the split axis (the sync
+    block length), replicated ones become ``[1, sync block]``.
+  """
+  out = {}
+  for path, v in nnx.to_flat_state(grads):
+    key = path_key(path)
+    value = v.get_value()
+    if isinstance(v, TPParam):
+      out[key] = reshard_uneven(value, v.tp_layout, sync_layout(v.tp_layout, t_min),
+                                 1 + v.tp_axis)
+    else:
+      flat = _flat_layout(value.size, degree, t_min)
+      padded = jnp.pad(value.reshape(-1), (0, flat.block))
+      start = jnp.asarray(flat.offsets, jnp.int32)[slot_position()]
+      piece = jax.lax.dynamic_slice_in_dim(padded, start, flat.block)
+      size = jnp.asarray(flat.sizes, jnp.int32)[slot_position()]
+      # A leading slot axis of length 1, as on the blocks of split parameters.
+      out[key] = jnp.where(jnp.arange(flat.block) < size, piece, 0)[None]
+  return out
+
+
+def from_sync_blocks(blocks: dict, template: nnx.State, degree: int, t_min: int) -> nnx.State:
+  """Inside a class ``shard_map`` body: synced local blocks -> gradients in the class layout.
+
+  ``template`` is the local (unstacked) parameter state; replicated
+  variables come back identical on every slot (a masked all-reduce).
+  """
+  restored = []
+  for path, v in nnx.to_flat_state(template):
+    block = blocks[path_key(path)]
+    if isinstance(v, TPParam):
+      value = reshard_uneven(block, sync_layout(v.tp_layout, t_min), v.tp_layout, 1 + v.tp_axis)
+    else:
+      shape = v.get_value().shape
+      numel = int(np.prod(shape))
+      flat = _flat_layout(numel, degree, t_min)
+      start = jnp.asarray(flat.offsets, jnp.int32)[slot_position()]
+      placed = jax.lax.dynamic_update_slice_in_dim(
+          jnp.zeros((numel + flat.block,), block.dtype), block[0], start, 0)
+      value = tp_sum(placed[:numel]).reshape(shape)
+    restored.append((path, v.replace(value)))
+  return nnx.from_flat_state(restored)
+
+
+def path_key(path: tuple) -> str:
+  """``('blocks', 0, 'attn', 'wq', 'kernel')`` -> ``'blocks/0/attn/wq/kernel'``."""
+  return "/".join(str(p) for p in path)
+
+
+class CrossClassSync:
+  """Phase 2: all-reduce of the core slots' sync blocks over every live replica.
+
+  Args:
+    meshes: each class's ``('dp', 'tp')`` mesh, in class order.
+    t_min: the smallest TP degree (core slots per replica).
+  """
+
+  def __init__(self, meshes: list[Mesh], t_min: int):
+    self.meshes = meshes
+    self.t_min = t_min
+    grid = [row[:t_min] for mesh in meshes for row in mesh.devices]
+    self.mesh = Mesh(np.array(grid, dtype=object), (REPLICA, PEER))
+    self.sharding = NamedSharding(self.mesh, P(REPLICA, PEER))
+    self._all_reduce = jax.jit(jax.shard_map(
+        lambda x: jax.lax.psum(x, REPLICA), mesh=self.mesh,
+        in_specs=P(REPLICA, PEER), out_specs=P(REPLICA, PEER)))
+
+  def __call__(self, class_blocks: list[dict]) -> list[dict]:
+    """Sum each path's sync blocks over all live replicas.
+
+    Args:
+      class_blocks: per class, ``path -> [replicas, degree, ...]`` arrays
+        (``P('dp', 'tp')`` on the class mesh) of sync blocks.
+
+    Returns:
+      The same structure with core positions replaced by the all-reduced
+      blocks (positions beyond ``t_min`` are unchanged: they hold no data).
+    """
+    paths = list(class_blocks[0])
+    shards = [[_shards_by_position(blocks[path]) for path in paths] for blocks in class_blocks]
+    reduced = []
+    for k, path in enumerate(paths):
+      pieces = [piece for c in range(len(class_blocks)) for row in shards[c][k]
+                for piece in row[:self.t_min]]
+      example = class_blocks[0][path]
+      shape = (len(self.mesh.devices), self.t_min) + example.shape[2:]
+      stacked = jax.make_array_from_single_device_arrays(shape, self.sharding, pieces)
+      reduced.append(self._all_reduce(stacked))
+    out = []
+    for c, blocks in enumerate(class_blocks):
+      synced = {}
+      for k, path in enumerate(paths):
+        by_device = {s.device: s.data for s in reduced[k].addressable_shards}
+        pieces = []
+        for r, row in enumerate(shards[c][k]):
+          for j, piece in enumerate(row):
+            # Positions beyond t_min hold no data: keep their (empty) buffers.
+            pieces.append(by_device[self.meshes[c].devices[r][j]] if j < self.t_min else piece)
+        synced[path] = jax.make_array_from_single_device_arrays(
+            blocks[path].shape, blocks[path].sharding, pieces)
+      out.append(synced)
+    return out
+
+
+def _shards_by_position(array: jax.Array) -> list[list[jax.Array]]:
+  """``[replicas][position]`` -> the device buffer of a ``P('dp', 'tp')`` array."""
+  rows = array.shape[0]
+  cols = array.shape[1]
+  grid: list[list[jax.Array | None]] = [[None] * cols for _ in range(rows)]
+  for shard in array.addressable_shards:
+    r, j = shard.index[0].start or 0, shard.index[1].start or 0
+    grid[r][j] = shard.data
+  return grid  # type: ignore[return-value]
