@@ -31,8 +31,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.dp = 1  # DP replicas
 
   c.ntp = ml_collections.ConfigDict()
-  c.ntp.failed = ""  # failed slots: "3" or "3,5" (slots of replica 0)
+  c.ntp.failed = ""  # failed slots: "3", "3,5" (replica 0) or replica:slot pairs "0:2,1:5"
   c.ntp.slot_weights = ""  # per-slot relative speeds, "1,1,0.5,..." (empty: equal)
+  c.ntp.rebalance = "proportional"  # batch shares: proportional (~ TP degree) or equal
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 200  # optimizer steps

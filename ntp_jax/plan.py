@@ -6,7 +6,8 @@ replica with no live slot is dropped. Replicas with the same live slots
 share one layout and form a *replica class*, which runs one compiled
 program over its own sub-mesh. Batch shares keep every live device equally
 busy: ``proportional`` gives a replica at degree ``t`` about ``t/T`` of a
-healthy replica's sequences. Source: Arfeen et al., arXiv:2504.06095, Sec. 4.
+healthy replica's sequences (``t / t_max`` of the fastest replica's share when
+no replica is healthy, so a lone reduced replica keeps the full batch). Source: Arfeen et al., arXiv:2504.06095, Sec. 4.
 """
 
 from __future__ import annotations
@@ -189,10 +190,14 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
     raise ConfigError(f"ntp.failed: every slot of every replica failed ({failed!r}); "
                       "no replica is left to train")
 
+  # Shares follow the degree relative to the fastest live replica: t/T beside a
+  # healthy replica; a lone (or all-reduced) job keeps its full batch.
+  top_degree = max(len(slots) for slots in live_by_replica.values())
+
   def share(degree: int) -> int:
     if rebalance == "equal":
       return healthy_share
-    return max(1, (healthy_share * degree + tp // 2) // tp)
+    return max(1, (healthy_share * degree + top_degree // 2) // top_degree)
 
   # Classes in order of first appearance; healthy replicas first when present.
   by_slots: dict[tuple[int, ...], list[int]] = {}

@@ -24,6 +24,7 @@ from ntp_jax.optim import make_optimizer
 from ntp_jax.plan import Plan, make_plan
 from ntp_jax.replica_class import JobStep, build_class_programs
 from ntp_jax.report import parameter_table
+from ntp_jax.shard import replica_view
 
 
 def plan_from_config(config, cfg: GPTConfig) -> Plan:
@@ -80,7 +81,7 @@ def train(config, *, log=print) -> dict[str, Any]:
   for program in programs:
     log(f"class {program.replica_class.index} (TP degree {program.replica_class.degree}, "
         f"replicas {list(program.replica_class.replicas)}):")
-    log(parameter_table(program.params))
+    log(parameter_table(replica_view(program.params)))
 
   writer = MetricsWriter(config.workdir)
   degrees = [r.degree for r in plan.replicas]

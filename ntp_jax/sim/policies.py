@@ -6,9 +6,8 @@ are samples or time steps. Domains are grouped into replicas of ``pp``
 stages. With packing (the default, as in the paper's resource manager) the job
 chooses which domains form a replica, so the most-failed domains are put
 together and the number of hurt replicas is as small as possible; without it,
-domain ``d`` belongs to
-replica ``d // pp``. Domains left over when the count is not a multiple of
-``pp`` (only with spares) stay idle, the worst ones first.
+domain ``d`` belongs to replica ``d // pp``. Domains left over when the count
+is not a multiple of ``pp`` (only with spares) stay idle, the worst ones first.
 """
 
 from __future__ import annotations

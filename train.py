@@ -1,0 +1,52 @@
+"""Train a GPT with nonuniform tensor parallelism.
+
+  python train.py --config configs/gpt_tiny.py
+  python train.py --config configs/gpt_tiny.py --config.mesh.tp=8 --config.ntp.failed=3
+
+Kept short on purpose: it parses the config, makes sure enough devices exist
+(on a machine without an accelerator it simulates ``mesh.dp * mesh.tp`` CPU
+devices, set before JAX starts, unless ``XLA_FLAGS`` already sets a count),
+and calls ``ntp_jax.trainer.train``.
+"""
+
+import os
+import sys
+
+from absl import app, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).")
+
+
+def simulate_cpu_devices(count: int) -> None:
+  """Ask XLA for ``count`` host devices unless the user already chose a count.
+
+  Only the CPU platform reads this flag, so it is harmless on GPU machines.
+  Must run before JAX is imported.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)  # JAX's platform probing logs at INFO
+  config = _CONFIG.value
+  if config is None:
+    raise app.UsageError("--config is required, e.g. --config configs/gpt_tiny.py")
+  simulate_cpu_devices(max(1, int(config.mesh.dp) * int(config.mesh.tp)))
+
+  from ntp_jax.data import DataError  # JAX starts here, after XLA_FLAGS is set.
+  from ntp_jax.errors import ConfigError
+  from ntp_jax.trainer import train
+  try:
+    train(config)
+  except (ConfigError, DataError) as err:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)
