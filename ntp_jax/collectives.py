@@ -56,7 +56,8 @@ def all_gather_uneven(x_blk: jax.Array, layout: Layout, axis: int = -1) -> jax.A
 
   Returns:
     The logical array, ``layout.size`` long on ``axis`` (padding removed),
-    identical on every device of the TP group.
+    identical on every device of the TP group (JAX types it as varying over
+    ``'tp'``: returning it with ``out_specs=P()`` needs ``check_vma=False``).
   """
   axis = axis % x_blk.ndim
   gathered = jax.lax.all_gather(x_blk, TP, axis=axis, tiled=True)  # [..., degree*block, ...]

@@ -1,0 +1,45 @@
+"""Run a small NTP job (any plan) on random tokens and read back every replica's state."""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from models.gpt import GPT, GPTConfig, model_layouts
+from ntp_jax.plan import make_plan
+from ntp_jax.replica_class import JobStep, build_class_programs
+from ntp_jax.shard import replica_view, to_logical
+
+# Uneven everywhere: 8 KV heads (16 query heads), d_ff 20 in units of 4, vocabulary 37.
+SMALL = GPTConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=4,
+                  d_ff=20, ffn_granularity=4, rope_theta=10_000.0)
+SEQ = 6
+
+
+def run_job(*, tp, dp, failed="", rebalance="equal", slot_weights="", batch_size=4, steps=3,
+            optimizer=None, clip_norm=1.0, cfg=SMALL, seed=0):
+  """Returns (losses, plan, [logical params of every live replica], [opt states])."""
+  plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp, failed=failed,
+                   slot_weights=slot_weights, batch_size=batch_size, rebalance=rebalance)
+  optimizer = optimizer or optax.adamw(3e-2, b2=0.95, weight_decay=0.1)
+  programs = build_class_programs(plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(seed)),
+                                  optimizer, clip_norm, plan.global_batch * SEQ,
+                                  jax.devices()[:tp * dp])
+  job = JobStep(plan, programs)
+  losses = []
+  for step in range(steps):
+    losses.append(float(job(global_batch(plan.global_batch, step, cfg))["loss"]))
+  params = [jax.tree.map(np.asarray, to_logical(replica_view(p.params, r)))
+            for p in programs for r in range(p.replicas)]
+  return losses, plan, params, programs
+
+
+def global_batch(rows, step, cfg=SMALL):
+  return np.asarray(jax.random.randint(jax.random.key(1000 + step), (rows, SEQ + 1), 0,
+                                       cfg.vocab_size), np.int32)
+
+
+def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)

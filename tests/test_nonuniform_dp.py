@@ -1,0 +1,99 @@
+"""DP replicas of different TP degree in one job: parity with a single device, exact sync."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import optax
+import pytest
+
+from job_harness import assert_trees_close, run_job
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def single_device():
+  return run_job(tp=1, dp=1, steps=10)
+
+
+@pytest.mark.parametrize("failed", ["", "1:2"], ids=["healthy", "replica1-slot2-failed"])
+def test_2x4_matches_single_device_for_10_steps(single_device, failed):
+  losses, plan, params, _ = run_job(tp=4, dp=2, failed=failed, steps=10)
+  assert len(plan.classes) == (2 if failed else 1)
+  np.testing.assert_allclose(losses, single_device[0], rtol=2e-5)
+  for replica_params in params:  # every replica's copy equals the single-device result
+    assert_trees_close(replica_params, single_device[2][0], rtol=1e-4, atol=1e-5)
+
+
+def test_every_replica_has_identical_gradients_after_sync():
+  # With SGD at lr 1 and no clipping, params_before - params_after is the synced gradient.
+  sgd = optax.sgd(1.0)
+  _, _, before, _ = run_job(tp=1, dp=1, steps=0, optimizer=sgd, clip_norm=0)
+  _, _, dense_after, _ = run_job(tp=1, dp=1, steps=1, optimizer=sgd, clip_norm=0)
+  _, plan, after, _ = run_job(tp=4, dp=2, failed="1:0,1:3", steps=1, optimizer=sgd, clip_norm=0)
+  assert [r.degree for r in plan.replicas] == [4, 2]
+  dense_grad = _minus(before[0], dense_after[0])
+  for replica_after in after:
+    assert_trees_close(_minus(before[0], replica_after), dense_grad, rtol=1e-4, atol=1e-6)
+
+
+def _minus(a, b):
+  import jax
+  return jax.tree.map(lambda x, y: x - y, a, b)
+
+
+def test_proportional_shares_keep_global_batch_in_proportion_to_live_devices():
+  losses, plan, params, _ = run_job(tp=4, dp=2, failed="1:2", rebalance="proportional",
+                                    batch_size=8, steps=2)
+  assert [r.batch_share for r in plan.replicas] == [4, 3]
+  single, _, single_params, _ = run_job(tp=1, dp=1, batch_size=7, steps=2)
+  np.testing.assert_allclose(losses, single, rtol=2e-5)
+  assert_trees_close(params[1], single_params[0], rtol=1e-4, atol=1e-5)
+
+
+def test_slot_weights_give_slow_slot_fewer_units_and_same_result(single_device):
+  losses, plan, _, programs = run_job(tp=4, dp=2, failed="1:1", slot_weights="1,1,1,0.25",
+                                      steps=3)
+  ffn = plan.classes[0].layouts.ffn  # 5 units of 4 columns on weights 1,1,1,0.25
+  assert ffn.units == (2, 1, 1, 1) or ffn.units[-1] <= min(ffn.units[:-1])
+  heads = plan.classes[1].layouts.heads  # slots 0,2,3 with weights 1,1,0.25
+  assert heads.units[-1] < heads.units[0]
+  np.testing.assert_allclose(losses, single_device[0][:3], rtol=2e-5)
+
+
+@pytest.mark.parametrize("tp,dp,failed,degrees", [
+    (4, 3, "1:3,2:2,2:3", [4, 3, 2]),
+    (8, 2, "1:3", [8, 7]),
+    (8, 2, "1:1,1:2,1:4", [8, 5]),
+    (8, 3, "1:5,2:0,2:7", [8, 7, 6]),
+])
+def test_mixed_degrees_match_single_device_in_subprocess(tp, dp, failed, degrees):
+  """Needs tp * dp devices: runs with its own device count.
+
+  SGD keeps the parameter comparison tight (Adam divides tiny gradients by
+  their own magnitude, so float rounding of near-zero entries shows up).
+  """
+  code = (
+      "import json, sys, optax; sys.path.insert(0, 'tests');"
+      "from job_harness import run_job;"
+      "sgd = optax.sgd(0.5);"
+      f"ref = run_job(tp=1, dp=1, steps=4, batch_size={2 * dp}, optimizer=sgd);"
+      f"out = run_job(tp={tp}, dp={dp}, failed='{failed}', steps=4, batch_size={2 * dp},"
+      "              optimizer=sgd);"
+      "import numpy as np, jax;"
+      "diff = max(float(np.max(np.abs(a - b))) for p in out[2] "
+      "           for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref[2][0])));"
+      "print(json.dumps(dict(ref=ref[0], out=out[0], diff=diff,"
+      "                      degrees=[r.degree for r in out[1].replicas])))")
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={tp * dp}",
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  assert report["degrees"] == degrees
+  np.testing.assert_allclose(report["out"], report["ref"], rtol=2e-5)
+  assert report["diff"] < 2e-6, report

@@ -1,0 +1,112 @@
+"""Plans: failed-slot parsing, classes, dropped replicas, batch shares, and their errors."""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from job_harness import SMALL
+from models.gpt import model_layouts
+from ntp_jax.errors import ConfigError
+from ntp_jax.layers import TPParam
+from ntp_jax.layout import make_layout
+from ntp_jax.blocks import to_blocks
+from ntp_jax.optim import clip_by_logical_norm, logical_norm
+from ntp_jax.plan import make_plan, parse_failed
+from ntp_jax.shard import stack_replicas
+
+plan_of = functools.partial(make_plan, functools.partial(model_layouts, SMALL))
+
+
+def test_parse_failed_forms():
+  assert parse_failed("", 2, 8) == {}
+  assert parse_failed("3", 2, 8) == {0: (3,)}
+  assert parse_failed("3,5", 2, 8) == {0: (3, 5)}
+  assert parse_failed("1:3", 2, 8) == {1: (3,)}
+  assert parse_failed("0:2, 1:5,1:6", 2, 8) == {0: (2,), 1: (5, 6)}
+  assert parse_failed("4,1:4", 2, 8) == {0: (4,), 1: (4,)}
+
+
+@pytest.mark.parametrize("text,match", [
+    ("2:1", "ntp.failed: replica 2 in '2:1' does not exist"),
+    ("1:8", "ntp.failed: slot 8 in '1:8' does not exist"),
+    ("1:3,1:3", "ntp.failed: replica 1 slot 3 is listed twice"),
+    ("3,0:3", "ntp.failed: replica 0 slot 3 is listed twice"),
+    ("a", "ntp.failed: 'a' is not a slot"),
+    ("1:", "ntp.failed: '1:' is not a slot"),
+    ("-1", "ntp.failed: '-1' is not a slot"),
+])
+def test_parse_failed_errors_name_the_field(text, match):
+  with pytest.raises(ConfigError, match=match):
+    parse_failed(text, 2, 8)
+
+
+def test_classes_shares_and_dropped_replicas():
+  plan = plan_of(tp=4, dp=4, failed="1:2,2:2,3:0,3:1,3:2,3:3", batch_size=16)
+  assert plan.dropped == (3,)
+  assert [(c.replicas, c.degree) for c in plan.classes] == [((0,), 4), ((1, 2), 3)]
+  assert [r.batch_share for r in plan.replicas] == [4, 3, 3]
+  assert plan.global_batch == 10 and plan.live_devices == 10
+  assert plan.class_rows() == [(0, 4), (4, 10)]
+  text = plan.describe()
+  assert "replica 3: dropped (every slot failed)" in text
+  assert "replica 1: TP degree 3 (reduced), live slots 0,1,3, class 1, batch share 3" in text
+
+
+def test_equal_rebalance_and_proportional_rounding():
+  assert [r.batch_share for r in plan_of(tp=8, dp=2, failed="1:3", batch_size=32,
+                                         rebalance="equal").replicas] == [16, 16]
+  # 7/8 of 16 = 14; 5/8 of 16 = 10
+  assert [r.batch_share for r in plan_of(tp=8, dp=3, failed="1:3,2:0,2:1,2:2",
+                                         batch_size=48).replicas] == [16, 14, 10]
+  # 2x4 with one slot failed keeps 7/8 of the healthy tokens; dropping keeps 1/2.
+  ntp = plan_of(tp=4, dp=2, failed="1:2", batch_size=8)
+  drop = plan_of(tp=4, dp=2, failed="1:0,1:1,1:2,1:3", batch_size=8)
+  assert ntp.global_batch / 8 == 7 / 8 and drop.global_batch / 8 == 1 / 2
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(failed="0:0,0:1,0:2,0:3"), "ntp.failed: every slot of every replica failed"),
+    (dict(slot_weights="1,2"), "ntp.slot_weights: 2 weights given, mesh.tp=4"),
+    (dict(slot_weights="1,x,1,1"), "ntp.slot_weights: '1,x,1,1' is not"),
+    (dict(slot_weights="1,-1,1,1"), "ntp.slot_weights: weights must be >= 0"),
+    (dict(rebalance="fair"), "ntp.rebalance: 'fair' is not one of"),
+    (dict(batch_size=3, dp=2), "train.batch_size: 3 sequences do not split evenly"),
+])
+def test_bad_plans_raise_one_line_errors(kwargs, match):
+  args = dict(tp=4, dp=1, batch_size=4)
+  args.update(kwargs)
+  with pytest.raises(ConfigError, match=match) as info:
+    plan_of(**args)
+  assert "\n" not in str(info.value)
+
+
+def test_logical_norm_counts_each_element_once():
+  """Replicated scales plus uneven split kernels, stacked over 3 replicas."""
+  rng = np.random.default_rng(0)
+  scale = rng.normal(size=5)
+  kernel = rng.normal(size=(4, 7))
+  layout = make_layout(7, 4, failed=[1])  # 3,2,2 columns over 3 live slots
+  grads = nnx.State({
+      "norm": nnx.Param(jnp.asarray(scale, jnp.float32)),
+      "kernel": TPParam(to_blocks(jnp.asarray(kernel, jnp.float32), layout, 1),
+                        tp_layout=layout, tp_axis=1),
+  })
+  true_norm = np.sqrt(np.sum(scale ** 2) + np.sum(kernel ** 2))
+  np.testing.assert_allclose(logical_norm(grads), true_norm, rtol=1e-6)
+  np.testing.assert_allclose(logical_norm(stack_replicas(grads, 3), 3), true_norm, rtol=1e-6)
+  # True norm 0.8 with clip 1.0: nothing is scaled; clip 0.4 halves every entry.
+  small = jax_scale(grads, 0.8 / true_norm)
+  norm = logical_norm(small)
+  np.testing.assert_allclose(norm, 0.8, rtol=1e-6)
+  same = clip_by_logical_norm(small, norm, 1.0)
+  np.testing.assert_array_equal(same["kernel"][...], small["kernel"][...])
+  halved = clip_by_logical_norm(small, norm, 0.4)
+  np.testing.assert_allclose(halved["norm"][...], small["norm"][...] / 2, rtol=1e-6)
+
+
+def jax_scale(state, factor):
+  import jax
+  return jax.tree.map(lambda x: x * factor, state)
