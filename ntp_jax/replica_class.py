@@ -53,6 +53,11 @@ class ClassProgram:
     return NamedSharding(self.mesh, P(DP))
 
 
+def abstract_params(make_model: Callable[[], nnx.Module]) -> nnx.State:
+  """Shapes and dtypes of one copy of the parameters, allocating nothing."""
+  return nnx.split(nnx.eval_shape(make_model))[1]
+
+
 def init_stacked_params(make_model: Callable[[], nnx.Module], mesh: Mesh,
                         replicas: int) -> tuple[nnx.GraphDef, nnx.State]:
   """Parameters built directly in their sharded, replica-stacked layout on ``mesh``."""
@@ -83,18 +88,35 @@ def _update(optimizer, clip_norm, replicas):
   return update
 
 
+def make_loss_and_grad(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
+                       global_tokens: int) -> Callable[..., Any]:
+  """``f(params, batch) -> (loss, grads)`` for one class, all-reduced over its replicas.
+
+  Args:
+    graphdef, params: the model (it has ``loss_sum(tokens, targets)``) and
+      its replica-stacked parameters (for the specs).
+    mesh: the class mesh.
+    global_tokens: predicted tokens in the whole step, over every class.
+
+  The function takes ``batch: int32 [class sequences, seq_len + 1]`` and
+  returns the class's share of the mean loss (f32 scalar) and its gradient,
+  replica-stacked like ``params``.
+  """
+  specs = replica_specs(params)
+
+  def body(params_local, batch):
+    loss, grads = _local_grads(graphdef, params_local, batch, global_tokens)
+    # DP all-reduce inside the class: every replica holds the same layout.
+    return jax.lax.psum(loss, DP), restack_local(jax.lax.psum(grads, DP))
+
+  return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DP)), out_specs=(P(), specs))
+
+
 def make_fused_step(program: ClassProgram, optimizer: optax.GradientTransformation,
                     clip_norm: float, global_tokens: int):
   """Single-class step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``."""
   specs = replica_specs(program.params)
-
-  def grads_body(params_local, batch):
-    loss, grads = _local_grads(program.graphdef, params_local, batch, global_tokens)
-    # DP all-reduce inside the class: every replica holds the same layout.
-    return jax.lax.psum(loss, DP), restack_local(jax.lax.psum(grads, DP))
-
-  grads_fn = jax.shard_map(grads_body, mesh=program.mesh, in_specs=(specs, P(DP)),
-                           out_specs=(P(), specs))
+  grads_fn = make_loss_and_grad(program.graphdef, program.params, program.mesh, global_tokens)
   update = _update(optimizer, clip_norm, program.replicas)
 
   def step(params, opt_state, batch):

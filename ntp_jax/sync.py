@@ -2,10 +2,11 @@
 
 Replicas of one class share a layout, replicas of different classes do not,
 so their gradient blocks cannot be all-reduced slot by slot. The sync goes
-through a *sync layout* shared by every replica: each split dimension is cut
-into ``t_min`` contiguous, near-equal runs (``t_min`` = the smallest TP
-degree in the job), held by the first ``t_min`` live slots of every replica
-(the *core* slots). Three phases per step:
+through a *sync layout* shared by every replica: each parameter, flattened
+with its split axis first, is cut into ``t_min`` contiguous runs of
+near-equal length (``t_min`` = the smallest TP degree in the job; at most one
+padded element per run), held by the first ``t_min`` live slots of every
+replica (the *core* slots). Three phases per step:
 
 1. inside each scale-up domain, every replica moves its gradient blocks from
    its own layout to the sync layout (``collectives.reshard_uneven``: only
@@ -19,10 +20,11 @@ degree in the job), held by the first ``t_min`` live slots of every replica
    (replicated parameters are re-assembled by a masked all-reduce).
 
 Bytes per step (``G`` = logical gradient bytes, ``R`` live replicas): across
-domains, each peer group all-reduces ``G / t_min`` (a ring moves
-``2 (R-1)/R * G / t_min`` per core device), the same total ``G`` per replica
-as a uniform DP all-reduce; inside a domain of degree ``t``, phases 1 and 3
-move at most ``G / t`` per device each way. See ``docs/sync.md``.
+domains, each peer group all-reduces ``G / t_min`` (a ring sends
+``2 (R-1)/R * G / t_min`` per core device), the same total per replica as a
+uniform DP all-reduce of ``G``; inside a domain of degree ``t``, phases 1 and
+3 send at most ``G / t`` per device each way (``sync_traffic`` counts them;
+figures in ``docs/sync.md``).
 Source: Arfeen et al., arXiv:2504.06095, Sec. 4.2 (gradient sync between
 replicas of different TP degree), in our own formulation.
 """
@@ -36,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.collectives import reshard_uneven, slot_position, tp_sum
+from ntp_jax.collectives import reshard_uneven, slot_position, tp_sum, transfer_schedule
 from ntp_jax.layers.params import TPParam
 from ntp_jax.layout import Layout, apportion
 from ntp_jax.mesh import DP, TP
@@ -46,14 +48,21 @@ PEER = "peer"  # axis of the sync mesh: core slot position (peer group)
 
 
 def sync_layout(layout: Layout, t_min: int) -> Layout:
-  """The sync layout of a dimension split by ``layout``, over the same positions.
+  """The sync layout of a flattened parameter split by ``layout``, over the same positions.
 
-  Positions ``0 .. t_min-1`` hold near-equal contiguous runs (largest
-  remainder); positions ``t_min ..`` hold nothing.
+  The sync only adds gradients, so it ignores shard units: positions
+  ``0 .. t_min-1`` hold near-equal contiguous runs of single elements
+  (largest remainder, so peer-group buffers carry at most one padded
+  element); positions ``t_min ..`` hold nothing.
   """
-  units = apportion(layout.num_units, [1.0] * t_min) + (0,) * (layout.degree - t_min)
-  return Layout(tp=layout.tp, live_slots=layout.live_slots, units=units,
-                unit_size=layout.unit_size)
+  units = apportion(layout.size, [1.0] * t_min) + (0,) * (layout.degree - t_min)
+  return Layout(tp=layout.tp, live_slots=layout.live_slots, units=units, unit_size=1)
+
+
+def flat_layout(layout: Layout, other: int) -> Layout:
+  """``layout`` of a parameter flattened with its split axis first (``other`` = the rest)."""
+  return Layout(tp=layout.tp, live_slots=layout.live_slots, units=layout.units,
+                unit_size=layout.unit_size * other)
 
 
 def _flat_layout(numel: int, degree: int, t_min: int) -> Layout:
@@ -71,17 +80,18 @@ def to_sync_blocks(grads: nnx.State, degree: int, t_min: int) -> dict:
     degree: the class's TP degree. t_min: the job's smallest TP degree.
 
   Returns:
-    Flat dict ``path -> block``, each with a leading slot axis of length 1;
-    ``TPParam`` blocks keep their shape but for the split axis (the sync
-    block length), replicated ones become ``[1, sync block]``.
+    Flat dict ``path -> [1, sync block]`` (a leading slot axis of length 1):
+    each parameter's run of its flattened sync layout.
   """
   out = {}
   for path, v in nnx.to_flat_state(grads):
     key = path_key(path)
     value = v.get_value()
     if isinstance(v, TPParam):
-      out[key] = reshard_uneven(value, v.tp_layout, sync_layout(v.tp_layout, t_min),
-                                 1 + v.tp_axis)
+      # Split axis first, then flatten: the slot's elements are one contiguous run.
+      run = jnp.moveaxis(value[0], v.tp_axis, 0).reshape(-1)
+      src = flat_layout(v.tp_layout, run.size // v.tp_layout.block)
+      out[key] = reshard_uneven(run, src, sync_layout(src, t_min), 0)[None]
     else:
       flat = _flat_layout(value.size, degree, t_min)
       padded = jnp.pad(value.reshape(-1), (0, flat.block))
@@ -103,7 +113,12 @@ def from_sync_blocks(blocks: dict, template: nnx.State, degree: int, t_min: int)
   for path, v in nnx.to_flat_state(template):
     block = blocks[path_key(path)]
     if isinstance(v, TPParam):
-      value = reshard_uneven(block, sync_layout(v.tp_layout, t_min), v.tp_layout, 1 + v.tp_axis)
+      local_shape = v.get_value().shape[1:]
+      moved_shape = (local_shape[v.tp_axis],) + tuple(
+          n for i, n in enumerate(local_shape) if i != v.tp_axis)
+      src = flat_layout(v.tp_layout, int(np.prod(moved_shape[1:])))
+      run = reshard_uneven(block[0], sync_layout(src, t_min), src, 0)
+      value = jnp.moveaxis(run.reshape(moved_shape), 0, v.tp_axis)[None]
     else:
       shape = v.get_value().shape
       numel = int(np.prod(shape))
@@ -151,22 +166,22 @@ class CrossClassSync:
       blocks (positions beyond ``t_min`` are unchanged: they hold no data).
     """
     paths = list(class_blocks[0])
-    shards = [[_shards_by_position(blocks[path]) for path in paths] for blocks in class_blocks]
-    reduced = []
-    for k, path in enumerate(paths):
-      pieces = [piece for c in range(len(class_blocks)) for row in shards[c][k]
+    shards = [{path: _shards_by_position(blocks[path]) for path in paths}
+              for blocks in class_blocks]
+    stacked = {}
+    for path in paths:
+      pieces = [piece for c in range(len(class_blocks)) for row in shards[c][path]
                 for piece in row[:self.t_min]]
-      example = class_blocks[0][path]
-      shape = (len(self.mesh.devices), self.t_min) + example.shape[2:]
-      stacked = jax.make_array_from_single_device_arrays(shape, self.sharding, pieces)
-      reduced.append(self._all_reduce(stacked))
+      shape = (len(self.mesh.devices), self.t_min) + class_blocks[0][path].shape[2:]
+      stacked[path] = jax.make_array_from_single_device_arrays(shape, self.sharding, pieces)
+    reduced = self._all_reduce(stacked)  # one program for every parameter
     out = []
     for c, blocks in enumerate(class_blocks):
       synced = {}
-      for k, path in enumerate(paths):
-        by_device = {s.device: s.data for s in reduced[k].addressable_shards}
+      for path in paths:
+        by_device = {s.device: s.data for s in reduced[path].addressable_shards}
         pieces = []
-        for r, row in enumerate(shards[c][k]):
+        for r, row in enumerate(shards[c][path]):
           for j, piece in enumerate(row):
             # Positions beyond t_min hold no data: keep their (empty) buffers.
             pieces.append(by_device[self.meshes[c].devices[r][j]] if j < self.t_min else piece)
@@ -185,3 +200,41 @@ def _shards_by_position(array: jax.Array) -> list[list[jax.Array]]:
     r, j = shard.index[0].start or 0, shard.index[1].start or 0
     grid[r][j] = shard.data
   return grid  # type: ignore[return-value]
+
+
+def sync_traffic(plan, abstract_params_by_class: list[nnx.State], itemsize: int = 4) -> dict:
+  """Bytes one gradient sync moves, per step, by phase (see the module docstring).
+
+  Args:
+    plan: the job's ``Plan`` (several classes).
+    abstract_params_by_class: each class's unstacked parameter state (shapes only).
+    itemsize: bytes per gradient element.
+
+  Returns:
+    ``intra_domain``: bytes sent between devices of one scale-up domain,
+    summed over all replicas (phases 1 and 3); ``cross_replica``: bytes each
+    core device sends in the ring all-reduce of its peer group, summed over
+    all core devices (phase 2); ``logical``: the logical gradient bytes ``G``.
+  """
+  t_min = min(c.degree for c in plan.classes)
+  live = len(plan.replicas)
+  intra = cross = logical = 0
+  for c, state in zip(plan.classes, abstract_params_by_class):
+    for _, v in nnx.to_flat_state(state):
+      shape = v.get_value().shape
+      if isinstance(v, TPParam):
+        src = flat_layout(v.tp_layout, int(np.prod(shape[1:])) // v.tp_layout.block)
+        dst = sync_layout(src, t_min)
+        moved = sum(int(t["send_len"].sum()) for t in transfer_schedule(src, dst) if t["shift"])
+        intra += 2 * moved * itemsize * len(c.replicas)  # there and back
+        numel, block = src.size, dst.block
+      else:
+        numel = int(np.prod(shape))
+        block = _flat_layout(numel, c.degree, t_min).block
+        # Phase 3 re-assembles the vector with an all-reduce over the domain.
+        intra += int(2 * (c.degree - 1) / c.degree * numel * itemsize) * c.degree * len(c.replicas)
+      if c.index == 0:
+        logical += numel * itemsize
+        cross += int(2 * (live - 1) / live * block * itemsize) * t_min * live
+  return {"intra_domain": intra, "cross_replica": cross, "logical": logical}
+

@@ -25,7 +25,7 @@ def test_2x4_matches_single_device_for_10_steps(single_device, failed):
   assert len(plan.classes) == (2 if failed else 1)
   np.testing.assert_allclose(losses, single_device[0], rtol=2e-5)
   for replica_params in params:  # every replica's copy equals the single-device result
-    assert_trees_close(replica_params, single_device[2][0], rtol=1e-4, atol=1e-5)
+    assert_trees_close(replica_params, single_device[2][0], rtol=1e-5, atol=1e-6)
 
 
 def test_every_replica_has_identical_gradients_after_sync():
@@ -51,7 +51,7 @@ def test_proportional_shares_keep_global_batch_in_proportion_to_live_devices():
   assert [r.batch_share for r in plan.replicas] == [4, 3]
   single, _, single_params, _ = run_job(tp=1, dp=1, batch_size=7, steps=2)
   np.testing.assert_allclose(losses, single, rtol=2e-5)
-  assert_trees_close(params[1], single_params[0], rtol=1e-4, atol=1e-5)
+  assert_trees_close(params[1], single_params[0], rtol=1e-5, atol=1e-6)
 
 
 def test_slot_weights_give_slow_slot_fewer_units_and_same_result(single_device):
@@ -73,8 +73,7 @@ def test_slot_weights_give_slow_slot_fewer_units_and_same_result(single_device):
 def test_mixed_degrees_match_single_device_in_subprocess(tp, dp, failed, degrees):
   """Needs tp * dp devices: runs with its own device count.
 
-  SGD keeps the parameter comparison tight (Adam divides tiny gradients by
-  their own magnitude, so float rounding of near-zero entries shows up).
+  Plain SGD here: the parameters are compared to 2e-6 absolute.
   """
   code = (
       "import json, sys, optax; sys.path.insert(0, 'tests');"

@@ -44,6 +44,15 @@ def test_losses_equal_for_uniform_nonuniform_and_single_device(workdir):
   assert len(losses["tp1"]) == 10
 
 
+def test_two_replicas_of_different_degree_match_single_device(workdir):
+  """AdamW and clipping through the cross-class sync: replicas at TP degree 4 and 3."""
+  ntp = train(tiny_config(workdir, **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2",
+                                      "ntp.rebalance": "equal"}), log=lambda *_: None)
+  single = train(tiny_config(workdir, **{"mesh.tp": 1}), log=lambda *_: None)
+  assert [r.degree for r in ntp["plan"].replicas] == [4, 3]
+  np.testing.assert_allclose(ntp["losses"], single["losses"], rtol=1e-4)
+
+
 def test_metrics_jsonl_has_one_full_precision_record_per_step(workdir):
   summary = train(tiny_config(workdir, **{"ntp.failed": "2,5", "train.steps": 3}),
                   log=lambda *_: None)

@@ -1,0 +1,149 @@
+"""NTP against DP-DROP on one model and one set of devices, side by side in one process.
+
+  python bench/ntp_vs_dropping.py [--config configs/gpt_small.py] [--steps 5] [--out docs/bench_ntp.md]
+
+Plans on a 2 x 4 mesh (8 simulated CPU devices unless XLA_FLAGS says
+otherwise): healthy; NTP with one failed slot (replica 1 at TP degree 3);
+NTP with two failed slots (replica 1 at degree 2); DP-DROP (replica 1
+removed). For each: sequences and tokens per step, executed flops per live
+device from XLA's cost analysis (per class), the flops that device's own
+shard needs (the same step for a TP group whose every slot holds exactly
+that device's units), and the median step time. Writes a markdown table.
+"""
+
+import argparse
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from ml_collections import config_flags  # noqa: E402,F401  (config files import it)
+
+from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
+from ntp_jax.cost import class_step_flops  # noqa: E402
+from ntp_jax.optim import make_optimizer  # noqa: E402
+from ntp_jax.plan import make_plan  # noqa: E402
+from ntp_jax.replica_class import JobStep, build_class_programs  # noqa: E402
+
+SCENARIOS = [
+    ("healthy", ""),
+    ("NTP, 1 slot failed", "1:2"),
+    ("NTP, 2 slots failed", "1:1,1:2"),
+    ("DP-DROP, 1 slot failed", "1:0,1:1,1:2,1:3"),
+]
+TP, DP = 4, 2
+
+
+def load_config(path):
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("bench_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def build(cfg, config, failed, *, tp=TP, dp=DP, batch_size=None):
+  plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp, failed=failed,
+                   batch_size=batch_size or config.train.batch_size)
+  optimizer = make_optimizer(config.train)
+  programs = build_class_programs(
+      plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(0)), optimizer,
+      config.train.clip_norm, plan.global_batch * config.train.seq_len,
+      jax.devices()[:tp * dp])
+  return plan, JobStep(plan, programs)
+
+
+def own_shard_flops(cfg, config, replica_class, position, cache):
+  """Flops of the same step for a uniform TP group holding exactly this device's units."""
+  layouts = replica_class.layouts
+  units = (layouts.heads.units[position], layouts.ffn.units[position],
+           layouts.vocab.units[position])
+  key = (units, replica_class.degree, replica_class.batch_share)
+  if key not in cache:
+    degree = replica_class.degree
+    group = cfg.n_heads // cfg.n_kv_heads
+    uniform = dataclasses.replace(
+        cfg, n_kv_heads=degree * units[0], n_heads=degree * units[0] * group,
+        d_ff=degree * units[1] * cfg.ffn_granularity,
+        vocab_size=degree * units[2] * cfg.vocab_granularity)
+    plan, job = build(uniform, config, "", tp=degree, dp=1,
+                      batch_size=replica_class.batch_share)
+    cache[key] = class_step_flops(job, job.programs[0], config.train.seq_len)
+  return cache[key]
+
+
+def measure(cfg, config, name, failed, steps, cache):
+  plan, job = build(cfg, config, failed)
+  seq = config.train.seq_len
+  rng = np.random.default_rng(0)
+  times = []
+  for step in range(steps + 1):
+    batch = rng.integers(0, cfg.vocab_size, (plan.global_batch, seq + 1), dtype=np.int32)
+    start = time.perf_counter()
+    float(job(batch)["loss"])
+    times.append(time.perf_counter() - start)
+  worst_vs_own, worst_device = 0.0, ""
+  flops = []
+  for program in job.programs:
+    c = program.replica_class
+    executed = class_step_flops(job, program, seq)
+    flops.append(executed)
+    for replica in c.replicas:
+      for position, slot in enumerate(c.live_slots):
+        ratio = executed / own_shard_flops(cfg, config, c, position, cache)
+        if ratio > worst_vs_own:
+          worst_vs_own, worst_device = ratio, f"replica {replica} slot {slot}"
+  return dict(name=name, failed=failed or "-", live=plan.live_devices,
+              sequences=plan.global_batch, tokens=plan.global_batch * seq,
+              flops=flops, degrees=[c.degree for c in plan.classes],
+              worst=worst_vs_own, worst_device=worst_device,
+              step_s=statistics.median(times[1:]))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="configs/gpt_small.py")
+  parser.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up step")
+  parser.add_argument("--out", default="", help="write the markdown table here too")
+  args = parser.parse_args()
+  config = load_config(args.config)
+  cfg = GPTConfig.from_config(config.model)
+  cache = {}
+  rows = [measure(cfg, config, name, failed, args.steps, cache) for name, failed in SCENARIOS]
+  base = rows[0]
+  lines = [
+      f"`python bench/ntp_vs_dropping.py --config {args.config} --steps {args.steps}` "
+      f"({jax.devices()[0].platform}, {len(jax.devices())} devices, mesh {DP} x {TP}, "
+      f"{config.train.seq_len} tokens per sequence)",
+      "",
+      "| plan | `ntp.failed` | live devices | sequences / step | tokens / step | tokens vs healthy "
+      "| TP degree per class | GFLOP / device / step (per class) | worst device: executed / own shard "
+      "| step time (s) | step time vs healthy |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    lines.append(
+        f"| {r['name']} | `{r['failed']}` | {r['live']} | {r['sequences']} | {r['tokens']:,} | "
+        f"{r['tokens'] / base['tokens']:.3f} | {', '.join(map(str, r['degrees']))} | "
+        f"{', '.join(f'{f / 1e9:.2f}' for f in r['flops'])} | {r['worst']:.3f} "
+        f"({r['worst_device']}) | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} |")
+  table = "\n".join(lines)
+  print(table)
+  if args.out:
+    with open(args.out, "w", encoding="utf-8") as f:
+      f.write(table + "\n")
+
+
+if __name__ == "__main__":
+  main()
