@@ -11,14 +11,15 @@ uniform-TP DP all-reduce of the same gradient over the same replicas.
 import argparse
 import dataclasses
 import functools
-import importlib.util
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from flax import nnx  # noqa: E402
 
+from common import emit, load_config  # noqa: E402
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.plan import make_plan  # noqa: E402
 from ntp_jax.replica_class import abstract_params  # noqa: E402
@@ -37,10 +38,7 @@ def main():
   parser.add_argument("--config", default="configs/gpt_8b.py")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
-  spec = importlib.util.spec_from_file_location("cfg", args.config)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = load_config(args.config)
   cfg = GPTConfig.from_config(config.model)
   itemsize = 2 if cfg.param_dtype == "bfloat16" else 4
   lines = [f"`python bench/sync_bytes.py --config {args.config}` (gradients in "
@@ -60,11 +58,7 @@ def main():
     uniform = 2 * (live - 1) / live * traffic["logical"] * live
     lines.append(f"| {name} | {traffic['logical'] / 1e9:.2f} | {traffic['intra_domain'] / 1e9:.2f} "
                  f"| {traffic['cross_replica'] / 1e9:.2f} | {uniform / 1e9:.2f} |")
-  table = "\n".join(lines)
-  print(table)
-  if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
-      f.write(table + "\n")
+  emit(lines, args.out)
 
 
 if __name__ == "__main__":

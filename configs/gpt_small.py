@@ -1,4 +1,4 @@
-"""Small GPT (about 30M parameters): for benchmarks on simulated devices."""
+"""Small GPT (27M parameters, 8 KV heads): for benchmarks on simulated devices."""
 
 from configs import base
 

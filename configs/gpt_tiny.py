@@ -1,4 +1,4 @@
-"""Tiny GPT: a training step well under a second on 2 CPU cores."""
+"""Tiny GPT (0.95M parameters): a training step well under a second on 2 CPU cores."""
 
 from configs import base
 

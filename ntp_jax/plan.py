@@ -95,7 +95,21 @@ class Plan:
                    f"batch share {r.batch_share}")
     for d in self.dropped:
       lines.append(f"  replica {d}: dropped (every slot failed)")
+    if len(self.replicas) > 1:
+      lines.append(f"  peer groups (gradient all-reduce across replicas, {self.t_min} core slots "
+                   "per replica):")
+      for j, group in enumerate(self.peer_groups()):
+        lines.append(f"    group {j}: " + ", ".join(f"replica {r} slot {s}" for r, s in group))
     return "\n".join(lines)
+
+  @property
+  def t_min(self) -> int:
+    """The smallest TP degree of any live replica: core slots per replica."""
+    return min(r.degree for r in self.replicas)
+
+  def peer_groups(self) -> list[list[tuple[int, int]]]:
+    """``(replica, slot)`` members of each peer group: the ``j``-th live slot of every replica."""
+    return [[(r.replica, r.live_slots[j]) for r in self.replicas] for j in range(self.t_min)]
 
 
 def parse_failed(text: str, dp: int, tp: int) -> dict[int, tuple[int, ...]]:

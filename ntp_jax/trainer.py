@@ -25,6 +25,7 @@ from ntp_jax.plan import Plan, make_plan
 from ntp_jax.replica_class import JobStep, build_class_programs
 from ntp_jax.report import parameter_table
 from ntp_jax.shard import replica_view
+from ntp_jax.sync import sync_traffic
 
 
 def plan_from_config(config, cfg: GPTConfig) -> Plan:
@@ -82,6 +83,13 @@ def train(config, *, log=print) -> dict[str, Any]:
     log(f"class {program.replica_class.index} (TP degree {program.replica_class.degree}, "
         f"replicas {list(program.replica_class.replicas)}):")
     log(parameter_table(replica_view(program.params)))
+
+  if len(programs) > 1:
+    traffic = sync_traffic(plan, [replica_view(p.params) for p in programs],
+                           np.dtype(cfg.storage_dtype).itemsize)
+    log(f"gradient sync per step: {traffic['cross_replica'] / 1e6:.2f} MB across domains, "
+        f"{traffic['intra_domain'] / 1e6:.2f} MB inside domains "
+        f"(logical gradient {traffic['logical'] / 1e6:.2f} MB)")
 
   writer = MetricsWriter(config.workdir)
   degrees = [r.degree for r in plan.replicas]

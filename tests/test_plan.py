@@ -110,3 +110,10 @@ def test_logical_norm_counts_each_element_once():
 def jax_scale(state, factor):
   import jax
   return jax.tree.map(lambda x: x * factor, state)
+
+
+def test_peer_groups_pair_the_core_slots_of_every_replica():
+  plan = plan_of(tp=4, dp=3, failed="1:0,2:1,2:2", batch_size=12)
+  assert plan.t_min == 2
+  assert plan.peer_groups() == [[(0, 0), (1, 1), (2, 0)], [(0, 1), (1, 2), (2, 3)]]
+  assert "group 1: replica 0 slot 1, replica 1 slot 2, replica 2 slot 3" in plan.describe()

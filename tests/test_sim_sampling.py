@@ -62,6 +62,27 @@ def test_tp64_availability_at_one_failure_in_a_thousand():
   assert 1 - point.mean_loss == pytest.approx(0.94, abs=0.01)
 
 
+def test_blast_radius_at_fixed_failure_events_follows_figure_10():
+  # Fig. 10 widens each failure: radius 4 at 4x the failed GPUs is the same number of events.
+  by_radius = {}
+  for radius in (1, 4):
+    spec = ClusterSpec(num_gpus=32_768, tp=32, pp=8, blast_radius=radius)
+    points = loss_sweep(spec, [radius * 4e-3], PolicySettings(), num_samples=300, seed=0)
+    by_radius[radius] = {p.policy: p.mean_loss for p in points}
+  assert by_radius[4]["dp-drop"] == pytest.approx(by_radius[1]["dp-drop"], abs=0.01)
+  assert by_radius[4]["ntp"] > 3 * by_radius[1]["ntp"]
+  assert by_radius[4]["ntp-pw"] >= by_radius[1]["ntp-pw"]
+  assert by_radius[4]["ntp"] < by_radius[4]["dp-drop"] / 4
+
+
+def test_failure_model_defaults_follow_the_paper():
+  model = FailureModel()
+  assert model.rate_per_gpu_hour == 419 / (16_384 * 54 * 24)  # Llama 3 report
+  assert model.hardware_share == 0.78
+  assert model.hardware_repair_hours == 5 * 24.0  # the paper's Fig. 7 (Fig. 4 also uses 3 days)
+  assert model.software_repair_hours == 3.0
+
+
 def test_failure_model_expectations_and_errors():
   model = FailureModel(rate_per_gpu_hour=1e-5, hardware_share=0.5, hardware_repair_hours=100.0,
                        software_repair_hours=2.0)

@@ -15,9 +15,11 @@ class DegreeRule:
 
   By default any degree is allowed (a domain with ``g`` live GPUs runs at TP
   ``g``) and batch shares are continuous, so a replica at degree ``t`` of
-  ``T`` takes ``t / T`` of a healthy replica's samples. The paper's evaluation
-  is coarser (Arfeen et al., large-scale simulation): TP32 may fall back to TP30 or TP28
-  only, and a replica's local batch is a whole number of sequences; pass
+  ``T`` takes ``t / T`` of a healthy replica's samples, as in the paper's
+  design (Arfeen et al.: e.g. TP62 after 2 of 64 GPUs fail). Its large-scale
+  evaluation is coarser: TP32 may fall back to TP30 or TP28 only, and a
+  replica's local batch is a whole number of sequences (8 with its batch of
+  16M tokens in 16K-token sequences over 128 replicas); pass
   ``allowed_degrees=(32, 30, 28)`` and ``local_batch=8`` to model that.
 
   Attributes:

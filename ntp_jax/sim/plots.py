@@ -41,10 +41,7 @@ def plot_loss_sweep(points: Sequence[LossPoint], path: pathlib.Path, title: str)
   ax.set_title(textwrap.fill(title, 80), fontsize=8)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+  return _save(plt, fig, path)
 
 
 def plot_timeline(result: AvailabilityTimeline, path: pathlib.Path, title: str) -> pathlib.Path:
@@ -62,10 +59,7 @@ def plot_timeline(result: AvailabilityTimeline, path: pathlib.Path, title: str) 
   bottom.set_ylabel("availability (%)")
   bottom.grid(alpha=0.3)
   bottom.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+  return _save(plt, fig, path)
 
 
 def plot_spares(result: SparesResult, path: pathlib.Path, title: str) -> pathlib.Path:
@@ -83,6 +77,11 @@ def plot_spares(result: SparesResult, path: pathlib.Path, title: str) -> pathlib
   ax.set_title(textwrap.fill(title, 80), fontsize=8)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
+  return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: pathlib.Path) -> pathlib.Path:
+  """Lay out, write the PNG and free the figure."""
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
