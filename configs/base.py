@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.steps = 200  # optimizer steps
   c.train.seed = 0  # parameter init and data order
-  c.train.batch_size = 16  # sequences per step (global)
+  c.train.batch_size = 16  # sequences per step of the healthy job (see ntp.rebalance)
   c.train.seq_len = 128  # tokens per sequence
   c.train.lr = 3e-3  # peak learning rate
   c.train.min_lr_ratio = 0.1  # final learning rate / peak (cosine decay)

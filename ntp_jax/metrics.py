@@ -25,8 +25,7 @@ class MetricsWriter:
 
 def progress_line(record: dict[str, Any], total_steps: int) -> str:
   """``step 10/150 | loss 5.4321 | 12,345 tok/s | step 0.210 s | TP degree 7``."""
-  degrees = record["tp_degree"]
-  degree = degrees if isinstance(degrees, int) else ",".join(map(str, degrees))
+  degree = ",".join(map(str, record.get("tp_degrees", [record["tp_degree"]])))
   return (f"step {record['step']:>{len(str(total_steps))}}/{total_steps} | "
           f"loss {record['loss']:.4f} | {record['tokens'] / record['step_time_s']:,.0f} tok/s | "
           f"step {record['step_time_s']:.3f} s | TP degree {degree}")

@@ -187,7 +187,9 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
     raise ConfigError(f"mesh.tp: must be >= 1, got {tp}")
   if rebalance not in REBALANCE:
     raise ConfigError(f"ntp.rebalance: {rebalance!r} is not one of {', '.join(REBALANCE)}")
-  if batch_size < 1 or batch_size % dp:
+  if batch_size < 1:
+    raise ConfigError(f"train.batch_size: must be >= 1, got {batch_size}")
+  if batch_size % dp:
     raise ConfigError(f"train.batch_size: {batch_size} sequences do not split evenly over "
                       f"mesh.dp={dp} replicas")
   failed_by_replica = parse_failed(failed, dp, tp)

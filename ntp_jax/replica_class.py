@@ -68,6 +68,21 @@ def init_stacked_params(make_model: Callable[[], nnx.Module], mesh: Mesh,
   return graphdef, params
 
 
+def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State, mesh: Mesh):
+  """Optimizer state on the class mesh: moments follow their parameter's sharding,
+  scalars (step counts) are replicated over the mesh.
+
+  Scalars made by ``optimizer.init`` carry no mesh sharding; the step returns
+  them replicated on the mesh, and that difference alone would make the first
+  step compile twice. Placing them on the mesh up front avoids it.
+  """
+  state = jax.jit(optimizer.init)(params)
+  replicated = NamedSharding(mesh, P())
+  return jax.tree.map(
+      lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+      else jax.device_put(x, replicated), state)
+
+
 def _local_grads(graphdef, params_local, batch, global_tokens):
   """Inside the body: this replica's loss share and gradients on its local blocks."""
   params = unstack_local(params_local)
@@ -125,9 +140,10 @@ def make_fused_step(program: ClassProgram, optimizer: optax.GradientTransformati
     return params, opt_state, {"loss": loss, "grad_norm": norm}
 
   shardings = spec_shardings(specs, program.mesh)
+  opt_shardings = _shardings_of(program.opt_state)
   return jax.jit(step, donate_argnums=(0, 1),
-                 in_shardings=(shardings, None, program.batch_sharding),
-                 out_shardings=(shardings, None, None))
+                 in_shardings=(shardings, opt_shardings, program.batch_sharding),
+                 out_shardings=(shardings, opt_shardings, None))
 
 
 def make_split_step(program: ClassProgram, optimizer: optax.GradientTransformation,
@@ -163,9 +179,14 @@ def make_split_step(program: ClassProgram, optimizer: optax.GradientTransformati
     return update(params, opt_state, grads)
 
   shardings = spec_shardings(specs, program.mesh)
+  opt_shardings = _shardings_of(program.opt_state)
   update_fn = jax.jit(update_step, donate_argnums=(0, 1),
-                      out_shardings=(shardings, None, None))
+                      out_shardings=(shardings, opt_shardings, None))
   return grad_fn, update_fn
+
+
+def _shardings_of(tree: Any) -> Any:
+  return jax.tree.map(lambda x: x.sharding, tree)
 
 
 def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
@@ -182,7 +203,7 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
     mesh = class_mesh(replica_class.replicas, replica_class.live_slots, plan.tp, devices)
     graphdef, params = init_stacked_params(lambda: make_model(replica_class.layouts), mesh,
                                            len(replica_class.replicas))
-    opt_state = jax.jit(optimizer.init)(params)
+    opt_state = init_opt_state(optimizer, params, mesh)
     programs.append(ClassProgram(replica_class, mesh, graphdef, params, opt_state))
   if len(programs) == 1:
     programs[0].step = make_fused_step(programs[0], optimizer, clip_norm, global_tokens)

@@ -132,4 +132,4 @@ def tp_call(module: nnx.Module, mesh: Mesh, *args, arg_specs: tuple | None = Non
   graphdef, state = nnx.split(module)
   arg_specs = tuple(P() for _ in args) if arg_specs is None else arg_specs
   fn = fn or (lambda m, *a: m(*a))
-  return tp_function(graphdef, state, fn, mesh, arg_specs, out_specs)(state, *args)
+  return jax.jit(tp_function(graphdef, state, fn, mesh, arg_specs, out_specs))(state, *args)

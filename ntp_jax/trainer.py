@@ -50,24 +50,36 @@ def check_devices(plan: Plan) -> list[jax.Device]:
   return devices[:needed]
 
 
+def check_train_fields(train_cfg) -> None:
+  """Cheap checks of ``train.*`` before any data or compilation work.
+
+  Raises:
+    ConfigError: a count that must be positive is not.
+  """
+  for name in ("steps", "batch_size", "seq_len", "log_every"):
+    if train_cfg[name] < 1:
+      raise ConfigError(f"train.{name}: must be >= 1, got {train_cfg[name]}")
+
+
 def train(config, *, log=print) -> dict[str, Any]:
   """Train the model of ``config`` and return a summary.
 
   Writes ``<workdir>/metrics.jsonl`` (one JSON object per step: ``step``,
-  ``loss``, ``tokens``, ``step_time_s``, ``tp_degree``, ``grad_norm``,
+  ``loss``, ``tokens``, ``step_time_s``, ``tp_degree`` (the smallest live TP
+  degree), ``tp_degrees`` (one per live replica), ``grad_norm``,
   ``global_batch``) and logs a progress line every ``train.log_every`` steps.
 
   Raises:
     ConfigError, DataError: bad settings or input (one line naming the field).
   """
+  check_train_fields(config.train)
   cfg = GPTConfig.from_config(config.model)
+  make_optimizer(config.train)  # validates the optimizer fields up front
   plan = plan_from_config(config, cfg)
   devices = check_devices(plan)
   log(plan.describe())
 
   seq_len = config.train.seq_len
-  if seq_len < 1:
-    raise ConfigError(f"train.seq_len: must be >= 1, got {seq_len}")
   dataset = make_dataset(config.data.path or None, cfg.vocab_size, seq_len, config.workdir,
                          config.train.seed, max_corpus_bytes=config.data.max_corpus_bytes)
   dataset.check_batch_size(plan.global_batch)
@@ -104,7 +116,7 @@ def train(config, *, log=print) -> dict[str, Any]:
       if not np.isfinite(loss):
         raise FloatingPointError(f"loss is {loss} at step {step}; lower train.lr")
       record = {"step": step, "loss": loss, "tokens": global_tokens, "step_time_s": elapsed,
-                "tp_degree": degrees[0] if len(degrees) == 1 else degrees,
+                "tp_degree": min(degrees), "tp_degrees": degrees,
                 "grad_norm": float(metrics["grad_norm"]), "global_batch": plan.global_batch}
       writer.write(record)
       losses.append(loss)

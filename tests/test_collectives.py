@@ -23,9 +23,9 @@ def _slot_encoded(layout, rows=3):
 def test_all_gather_uneven(group):
   layout = make_layout(11, group[0], failed=group[1], unit_size=2)
   x = _slot_encoded(layout)
-  fn = jax.shard_map(lambda b: all_gather_uneven(b, layout, axis=-1), mesh=mesh_for(layout),
+  fn = jax.jit(jax.shard_map(lambda b: all_gather_uneven(b, layout, axis=-1), mesh=mesh_for(layout),
                      # all_gather's result is equal on every device but typed as varying.
-                     in_specs=P(None, "tp"), out_specs=P(), check_vma=False)
+                     in_specs=P(None, "tp"), out_specs=P(), check_vma=False))
   np.testing.assert_array_equal(fn(split_to_global(x, layout)), x)
   cot = jax.random.normal(jax.random.key(0), x.shape)
   grad = jax.grad(lambda g: jnp.sum(fn(g) * cot))(split_to_global(x, layout))
@@ -41,7 +41,7 @@ def test_reduce_scatter_uneven(group):
   def body(xr):
     scale = (jax.lax.axis_index("tp") + 1).astype(xr.dtype)
     return reduce_scatter_uneven(xr * scale, layout, axis=-1)
-  fn = jax.shard_map(body, mesh=mesh_for(layout), in_specs=P(), out_specs=P(None, "tp"))
+  fn = jax.jit(jax.shard_map(body, mesh=mesh_for(layout), in_specs=P(), out_specs=P(None, "tp")))
   out = fn(x)
   d = layout.degree
   np.testing.assert_allclose(global_to_logical(out, layout), x * d * (d + 1) / 2, rtol=1e-6)
@@ -66,11 +66,12 @@ def test_reshard_to_sync_layout_and_back(src, t_min):
   dst = sync_layout(src, t_min)
   x = _slot_encoded(src)
   body = lambda b: reshard_uneven(b, src, dst, axis=-1)
-  fn = jax.shard_map(body, mesh=mesh_for(src), in_specs=P(None, "tp"), out_specs=P(None, "tp"))
+  fn = jax.jit(jax.shard_map(body, mesh=mesh_for(src), in_specs=P(None, "tp"),
+                             out_specs=P(None, "tp")))
   moved = fn(split_to_global(x, src))
   np.testing.assert_array_equal(moved, split_to_global(x, dst))  # values and zero padding
-  back = jax.shard_map(lambda b: reshard_uneven(b, dst, src, axis=-1), mesh=mesh_for(src),
-                       in_specs=P(None, "tp"), out_specs=P(None, "tp"))(moved)
+  back = jax.jit(jax.shard_map(lambda b: reshard_uneven(b, dst, src, axis=-1), mesh=mesh_for(src),
+                               in_specs=P(None, "tp"), out_specs=P(None, "tp")))(moved)
   np.testing.assert_array_equal(back, split_to_global(x, src))
 
 

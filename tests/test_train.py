@@ -62,6 +62,7 @@ def test_metrics_jsonl_has_one_full_precision_record_per_step(workdir):
   for r, loss in zip(records, summary["losses"]):
     assert {"step", "loss", "tokens", "step_time_s", "tp_degree"} <= set(r)
     assert r["loss"] == loss and r["tp_degree"] == 6 and r["tokens"] == 16 * 64
+    assert r["tp_degrees"] == [6]
 
 
 def _cli(*args, env_extra=None):
@@ -78,6 +79,8 @@ def _cli(*args, env_extra=None):
     (["--config.ntp.failed=0,1,2,3,4,5,6,7"], "ntp.failed"),
     (["--config.data.path=/nonexistent/corpus.txt"], "data.path"),
     (["--config.ntp.slot_weights=1,2"], "ntp.slot_weights"),
+    (["--config.train.log_every=0"], "train.log_every"),
+    (["--config.train.batch_size=0"], "train.batch_size"),
 ])
 def test_bad_input_is_one_line_naming_the_field(args, field, tmp_path):
   result = _cli(*args, f"--config.workdir={tmp_path}")
