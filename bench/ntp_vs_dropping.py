@@ -92,8 +92,8 @@ def measure(cfg, config, name, failed, steps, cache):
     c = program.replica_class
     executed = class_step_flops(job, program, seq)
     flops.append(executed)
-    for replica in c.replicas:
-      for position, slot in enumerate(c.live_slots):
+    for replica, slots in zip(c.replicas, c.live_slots):
+      for position, slot in enumerate(slots):
         ratio = executed / own_shard_flops(cfg, config, c, position, cache)
         if ratio > worst_vs_own:
           worst_vs_own, worst_device = ratio, f"replica {replica} slot {slot}"

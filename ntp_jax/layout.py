@@ -29,15 +29,17 @@ class Layout:
   Attributes:
     tp: nominal slots in the TP group (T).
     live_slots: the live slot indices, ascending; device ``i`` of the group's
-      mesh axis holds slot ``live_slots[i]``.
+      mesh axis holds slot ``live_slots[i]``. Not part of equality or hash:
+      the same unit split is the same program whichever slots are live, so
+      replicas that lost different slots can share one compiled program.
     units: shard units held by each live slot, in live-slot order (sum is
       ``num_units``; zero allowed).
     unit_size: elements of the sharded array dimension per shard unit.
   """
 
   tp: int
-  live_slots: tuple[int, ...]
-  units: tuple[int, ...]
+  live_slots: tuple[int, ...] = dataclasses.field(compare=False)
+  units: tuple[int, ...] = ()
   unit_size: int = 1
 
   def __post_init__(self):

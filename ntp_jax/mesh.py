@@ -32,17 +32,22 @@ def device_for_slot(replica: int, slot: int, tp: int, devices: Sequence[jax.Devi
   return devices[index]
 
 
-def class_mesh(replicas: Sequence[int], live_slots: Sequence[int], tp: int,
+def class_mesh(replicas: Sequence[int], live_slots: Sequence[Sequence[int]], tp: int,
                devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Mesh ``('dp', 'tp')`` over the live slots of ``replicas`` (all with ``live_slots``).
+  """Mesh ``('dp', 'tp')``: row ``i`` holds the live slots of ``replicas[i]``, in slot order.
 
   Args:
     replicas: DP replica indices in the class.
-    live_slots: live slot indices shared by those replicas.
+    live_slots: each replica's live slot indices (all of one length: the
+      class's TP degree); replicas may have lost different slots.
     tp: nominal slots per TP group (devices per replica, failed ones included).
     devices: the job's devices (default ``jax.devices()``); a failed slot's
       device is left out of the mesh and stays idle.
   """
   devices = list(jax.devices() if devices is None else devices)
-  grid = [[device_for_slot(r, s, tp, devices) for s in live_slots] for r in replicas]
+  if len({len(slots) for slots in live_slots}) != 1 or len(live_slots) != len(replicas):
+    raise ValueError(f"mesh: replicas {list(replicas)} need one live-slot list each, "
+                     f"all of one length; got {list(live_slots)}")
+  grid = [[device_for_slot(r, s, tp, devices) for s in slots]
+          for r, slots in zip(replicas, live_slots)]
   return Mesh(np.array(grid, dtype=object), (DP, TP))

@@ -2,9 +2,10 @@
 
 A job has ``dp`` DP replicas of ``tp`` slots each. After failures a replica
 keeps its live slots and trains at TP degree ``t = live slots`` (NTP); a
-replica with no live slot is dropped. Replicas with the same live slots
-share one layout and form a *replica class*, which runs one compiled
-program over its own sub-mesh. Batch shares keep every live device equally
+replica with no live slot is dropped. Replicas whose layouts split the
+model the same way (same degree and speed weights, whichever slots failed)
+form a *replica class*, which runs one compiled program over its own
+sub-mesh. Batch shares keep every live device equally
 busy: ``proportional`` gives a replica at degree ``t`` about ``t/T`` of a
 healthy replica's sequences (``t / t_max`` of the fastest replica's share when
 no replica is healthy, so a lone reduced replica keeps the full batch). Source: Arfeen et al., arXiv:2504.06095, Sec. 4.
@@ -39,17 +40,21 @@ class ReplicaPlan:
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaClass:
-  """Replicas sharing one layout: one compiled program over a ``(replicas, degree)`` mesh."""
+  """Replicas sharing one layout: one compiled program over a ``(replicas, degree)`` mesh.
+
+  The replicas may have lost different slots: a layout is a unit split over
+  the live slots in order, whichever slots those are.
+  """
 
   index: int
-  live_slots: tuple[int, ...]
+  live_slots: tuple[tuple[int, ...], ...]  # per replica, in ``replicas`` order
   replicas: tuple[int, ...]
   layouts: Any  # the model's layouts for these live slots (e.g. models.gpt.ModelLayouts)
   batch_share: int  # sequences per replica per step
 
   @property
   def degree(self) -> int:
-    return len(self.live_slots)
+    return len(self.live_slots[0])
 
   @property
   def batch_rows(self) -> int:
@@ -215,19 +220,19 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
       return healthy_share
     return max(1, (healthy_share * degree + top_degree // 2) // top_degree)
 
-  # Classes in order of first appearance; healthy replicas first when present.
-  by_slots: dict[tuple[int, ...], list[int]] = {}
+  # Replicas whose layouts are equal (same unit split; live slot ids do not
+  # count) share a class and so one compiled program. Highest degree first.
+  by_layouts: dict[Any, list[int]] = {}
   for r, slots in sorted(live_by_replica.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-    by_slots.setdefault(slots, []).append(r)
-  classes = []
-  for index, (slots, replicas) in enumerate(by_slots.items()):
     failed_slots = tuple(s for s in range(tp) if s not in slots)
-    classes.append(ReplicaClass(index=index, live_slots=slots, replicas=tuple(replicas),
-                                layouts=make_layouts(tp, failed_slots, weights),
-                                batch_share=share(len(slots))))
+    by_layouts.setdefault(make_layouts(tp, failed_slots, weights), []).append(r)
+  classes = []
+  for index, (layouts, members) in enumerate(by_layouts.items()):
+    slots = tuple(live_by_replica[r] for r in members)
+    classes.append(ReplicaClass(index=index, live_slots=slots, replicas=tuple(members),
+                                layouts=layouts, batch_share=share(len(slots[0]))))
   replicas = tuple(
-      ReplicaPlan(replica=r, live_slots=c.live_slots, batch_share=c.batch_share,
-                  class_index=c.index)
-      for c in classes for r in c.replicas)
+      ReplicaPlan(replica=r, live_slots=slots, batch_share=c.batch_share, class_index=c.index)
+      for c in classes for r, slots in zip(c.replicas, c.live_slots))
   return Plan(tp=tp, dp=dp, replicas=tuple(sorted(replicas, key=lambda r: r.replica)),
               dropped=tuple(dropped), classes=tuple(classes), rebalance=rebalance)

@@ -156,7 +156,7 @@ def make_split_step(program: ClassProgram, optimizer: optax.GradientTransformati
   def grad_body(params_local, batch):
     loss, grads = _local_grads(graphdef, params_local, batch, global_tokens)
     blocks = to_sync_blocks(grads, degree, t_min)
-    # Replicated variables' sync blocks differ by slot: type them as split over 'tp'.
+    # Every slot's sync block is its own: stack them over 'dp' and 'tp'.
     return jax.lax.psum(loss, DP), {k: v[None] for k, v in blocks.items()}
 
   block_specs = P(DP, TP)

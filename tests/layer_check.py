@@ -15,7 +15,7 @@ RTOL, ATOL = 2e-5, 2e-6
 
 
 def mesh_for(layout: Layout):
-  return class_mesh([0], layout.live_slots, layout.tp)
+  return class_mesh([0], [layout.live_slots], layout.tp)
 
 
 def split_to_global(x, layout, axis=-1):

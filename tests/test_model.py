@@ -28,7 +28,7 @@ def _batch(cfg, rows, seq, seed=0):
 def test_gpt_loss_and_gradient_match_dense_reference(group):
   tp, failed = group
   layouts = model_layouts(CFG, tp, failed)
-  mesh = class_mesh([0], layouts.heads.live_slots, tp)
+  mesh = class_mesh([0], [layouts.heads.live_slots], tp)
   graphdef, params = init_stacked_params(lambda: GPT(CFG, layouts, rngs=nnx.Rngs(0)), mesh, 1)
   batch = _batch(CFG, 3, 6)
   loss, grads = jax.jit(make_loss_and_grad(graphdef, params, mesh, batch[:, 1:].size))(params, batch)

@@ -55,6 +55,15 @@ def test_classes_shares_and_dropped_replicas():
   assert "replica 1: TP degree 3 (reduced), live slots 0,1,3, class 1, batch share 3" in text
 
 
+def test_replicas_that_lost_different_slots_share_one_class():
+  plan = plan_of(tp=4, dp=3, failed="1:2,2:0", batch_size=12)
+  assert [(c.replicas, c.live_slots) for c in plan.classes] == [
+      ((0,), ((0, 1, 2, 3),)), ((1, 2), ((0, 1, 3), (1, 2, 3)))]
+  # Speed weights make the unit split depend on which slots are live: separate classes.
+  weighted = plan_of(tp=4, dp=3, failed="1:2,2:0", slot_weights="1,1,0.2,1", batch_size=12)
+  assert len(weighted.classes) == 3
+
+
 def test_equal_rebalance_and_proportional_rounding():
   assert [r.batch_share for r in plan_of(tp=8, dp=2, failed="1:3", batch_size=32,
                                          rebalance="equal").replicas] == [16, 16]

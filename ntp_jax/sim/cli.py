@@ -20,16 +20,62 @@ from ntp_jax.sim.sweep import loss_sweep
 from ntp_jax.sim.timeline import availability_timeline
 
 
+_POLICY_NAMES = ", ".join(p.value for p in Policy)
+
+
+def _items(text: str) -> list[str]:
+  return [v.strip() for v in text.split(",") if v.strip()]
+
+
 def _int_list(text: str) -> tuple[int, ...]:
-  return tuple(int(v) for v in text.split(",") if v.strip())
+  """Comma list of integers, e.g. ``32,30,28``."""
+  try:
+    return tuple(int(v) for v in _items(text))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a comma list of integers, e.g. 32,30,28") from None
 
 
 def _float_list(text: str) -> tuple[float, ...]:
-  return tuple(float(v) for v in text.split(",") if v.strip())
+  """Comma list of numbers, e.g. ``0,0.001,0.002``."""
+  try:
+    return tuple(float(v) for v in _items(text))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a comma list of numbers, e.g. 0,0.001,0.002") from None
+
+
+def _policy(name: str) -> Policy:
+  try:
+    return Policy(name)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"{name!r} is not a policy; choose from {_POLICY_NAMES}") from None
 
 
 def _policy_list(text: str) -> tuple[Policy, ...]:
-  return tuple(Policy(v.strip()) for v in text.split(",") if v.strip())
+  """Comma list of policy names, e.g. ``ntp,ntp-pw``."""
+  policies = tuple(_policy(v) for v in _items(text))
+  if not policies:
+    raise argparse.ArgumentTypeError(f"give at least one policy of {_POLICY_NAMES}")
+  return policies
+
+
+def _failed_pair(pair: str) -> tuple[int, int]:
+  try:
+    domain, count = pair.split(":")
+    return int(domain), int(count)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"{pair!r} is not domain:count (failed GPUs in a domain), e.g. 0:1,17:2") from None
+
+
+def _failed_domains(text: str) -> dict[int, int]:
+  """Comma list of ``domain:count`` pairs to failed GPUs per domain (repeats add up)."""
+  failed = {}
+  for domain, count in map(_failed_pair, _items(text)):
+    failed[domain] = failed.get(domain, 0) + count
+  return failed
 
 
 def _common_parser() -> argparse.ArgumentParser:
@@ -42,7 +88,7 @@ def _common_parser() -> argparse.ArgumentParser:
   group.add_argument("--blast-radius", type=int, default=1, help="GPUs lost per failure")
   group = parser.add_argument_group("policies")
   group.add_argument("--policies", type=_policy_list, default=ALL_POLICIES,
-                     help="comma list of dp-drop, ntp, ntp-pw")
+                     help=f"comma list of {_POLICY_NAMES}")
   group.add_argument("--power-limit", type=float, default=0.3,
                      help="extra power of boosted GPUs, fraction of TDP (NTP-PW)")
   group.add_argument("--efficiency-slope", type=float, default=PowerCurve.slope,
@@ -90,8 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
   sweep = sub.add_parser("sweep", parents=[common], help="loss against the failed fraction")
   sweep.add_argument("--fractions", type=_float_list, default=None,
                      help="comma list of failed fractions (default: --points up to --max-fraction)")
-  sweep.add_argument("--max-fraction", type=float, default=4e-3)
-  sweep.add_argument("--points", type=int, default=9)
+  sweep.add_argument("--max-fraction", type=float, default=4e-3,
+                     help="largest failed fraction without --fractions (default: %(default)s)")
+  sweep.add_argument("--points", type=int, default=9,
+                     help="evenly spaced fractions from 0 to --max-fraction (default: %(default)s)")
   sweep.add_argument("--samples", type=int, default=1000, help="placements per fraction")
   sweep.add_argument("--spares", type=int, default=0, help="spare domains")
   timeline = sub.add_parser("timeline", parents=[common, failure],
@@ -101,11 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="report the share of time with more than this fraction failed")
   spares = sub.add_parser("spares", parents=[common, failure],
                           help="spare domains needed to keep a fixed mini-batch running")
-  spares.add_argument("--max-spares", type=int, default=160)
+  spares.add_argument("--max-spares", type=int, default=160,
+                      help="most spare domains tried; spares_needed is - when even these "
+                           "do not keep the job running (default: %(default)s)")
   plan = sub.add_parser("plan", parents=[common], help="per-replica decisions for given failures")
-  plan.add_argument("--failed", required=True,
+  plan.add_argument("--failed", required=True, type=_failed_domains,
                     help="domain:count pairs, e.g. 0:1,17:2 (failed GPUs per domain)")
   plan.add_argument("--all", action="store_true", help="list healthy replicas too")
+  for command in sub.choices.values():
+    command.set_defaults(command_parser=command)
   return parser
 
 
@@ -136,10 +188,12 @@ def _title(spec: ClusterSpec, args) -> str:
   return title
 
 
-def _emit(rows, columns, args, header: str | None = None) -> None:
+def _emit(rows, columns, args, header: str | None = None, footer: str | None = None) -> None:
   if header and args.format == "table":
     print(header)
   print(report.render(rows, columns, args.format))
+  if footer and args.format == "table":
+    print(footer)
 
 
 def _run_sweep(spec: ClusterSpec, args) -> None:
@@ -192,8 +246,12 @@ def _run_spares(spec: ClusterSpec, args) -> None:
                                         else float(result.per_gpu_throughput[policy][needed])),
                  "running_with_no_spares": float(result.running_fraction[policy][0])})
   columns = ["policy", "spares_needed", "per_gpu_throughput", "running_with_no_spares"]
+  footer = None
+  if None in result.needed.values():
+    footer = (f"# -: the job still pauses with --max-spares {args.max_spares} spares; "
+              "raise --max-spares to try more")
   _emit(rows, columns, args, f"# spares for a fixed mini-batch: {_title(spec, args)}, "
-        f"{args.days} days, up to {args.max_spares} spares")
+        f"{args.days} days, up to {args.max_spares} spares", footer)
   if args.out:
     curve = [{"spares": int(s),
               **{f"{name}_running": float(result.running_fraction[name][i])
@@ -206,20 +264,11 @@ def _run_spares(spec: ClusterSpec, args) -> None:
     plots.plot_spares(result, args.out / "spares.png", _title(spec, args))
 
 
-def _parse_failed(text: str) -> dict[int, int]:
-  failed = {}
-  for pair in text.split(","):
-    if pair.strip():
-      domain, count = pair.split(":")
-      failed[int(domain)] = failed.get(int(domain), 0) + int(count)
-  return failed
-
-
 def _run_plan(spec: ClusterSpec, args) -> None:
   settings = _settings(args)
   rows = []
   for policy in args.policies:
-    plans = plan_replicas(_parse_failed(args.failed), spec.tp, spec.pp, args.power_limit, policy,
+    plans = plan_replicas(args.failed, spec.tp, spec.pp, args.power_limit, policy,
                           spec.num_domains, settings.power_curve, settings.degree_rule,
                           settings.pack)
     for p in plans:
@@ -243,12 +292,13 @@ _COMMANDS = {"sweep": _run_sweep, "timeline": _run_timeline, "spares": _run_spar
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the command line; returns the exit status."""
-  parser = build_parser()
-  args = parser.parse_args(argv)
+  args, unknown = build_parser().parse_known_args(argv)
+  if unknown:
+    args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
   try:
     spec = ClusterSpec(num_gpus=args.gpus, tp=args.tp, pp=args.pp,
                        blast_radius=args.blast_radius)
     _COMMANDS[args.command](spec, args)
   except ValueError as error:
-    parser.error(str(error))
+    args.command_parser.error(str(error))
   return 0
