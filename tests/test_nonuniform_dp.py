@@ -96,3 +96,24 @@ def test_mixed_degrees_match_single_device_in_subprocess(tp, dp, failed, degrees
   assert report["degrees"] == degrees
   np.testing.assert_allclose(report["out"], report["ref"], rtol=2e-5)
   assert report["diff"] < 2e-6, report
+
+
+def test_every_replica_keeps_identical_optimizer_state():
+  """AdamW moments of every replica (healthy and reduced) agree in logical form."""
+  import jax
+  from ntp_jax.shard import replica_view, to_logical
+  adamw = optax.adamw(1e-2, b2=0.95, weight_decay=0.1)
+  _, _, _, programs = run_job(tp=4, dp=2, failed="1:2", steps=3, optimizer=adamw)
+  moments = []
+  for program in programs:
+    adam_state = program.opt_state[0]  # ScaleByAdamState(count, mu, nu)
+    for r in range(program.replicas):
+      moments.append((int(adam_state.count),
+                      jax.tree.map(np.asarray, to_logical(replica_view(adam_state.mu, r))),
+                      jax.tree.map(np.asarray, to_logical(replica_view(adam_state.nu, r)))))
+  count, mu, nu = moments[0]
+  assert count == 3
+  for other_count, other_mu, other_nu in moments[1:]:
+    assert other_count == count
+    assert_trees_close(other_mu, mu, rtol=1e-5, atol=1e-7)
+    assert_trees_close(other_nu, nu, rtol=1e-4, atol=1e-10)
