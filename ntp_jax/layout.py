@@ -32,15 +32,24 @@ class Layout:
       mesh axis holds slot ``live_slots[i]``. Not part of equality or hash:
       the same unit split is the same program whichever slots are live, so
       replicas that lost different slots can share one compiled program.
-    units: shard units held by each live slot, in live-slot order (sum is
-      ``num_units``; zero allowed).
+    units: shard units held by each live slot alone, in live-slot order
+      (zero allowed); these runs come first in logical order.
     unit_size: elements of the sharded array dimension per shard unit.
+    shared_units: the last ``shared_units`` units of the dimension, held by
+      *every* slot after its own run. A layer computes them data-parallel
+      inside the TP group (each slot on its part of the batch rows) instead
+      of giving some slots one more unit than others, so no slot computes a
+      padded unit. Default 0.
+
+  A slot's block is its own run, zero-padded to the largest own run
+  (``own_block_units``), then the shared units.
   """
 
   tp: int
   live_slots: tuple[int, ...] = dataclasses.field(compare=False)
   units: tuple[int, ...] = ()
   unit_size: int = 1
+  shared_units: int = 0
 
   def __post_init__(self):
     if len(self.live_slots) != len(self.units):
@@ -50,6 +59,10 @@ class Layout:
       raise ValueError(f"layout: negative unit count in {self.units}")
     if self.unit_size < 1:
       raise ValueError(f"layout: unit_size must be >= 1, got {self.unit_size}")
+    if self.shared_units < 0:
+      raise ValueError(f"layout: shared_units must be >= 0, got {self.shared_units}")
+    if self.shared_units and len(set(self.units)) != 1:
+      raise ValueError(f"layout: shared units need equal own runs, got {self.units}")
 
   @property
   def degree(self) -> int:
@@ -58,7 +71,7 @@ class Layout:
 
   @property
   def num_units(self) -> int:
-    return sum(self.units)
+    return sum(self.units) + self.shared_units
 
   @property
   def size(self) -> int:
@@ -67,7 +80,7 @@ class Layout:
 
   @property
   def sizes(self) -> tuple[int, ...]:
-    """Elements held by each live slot."""
+    """Elements of each live slot's own run (shared units not counted)."""
     return tuple(u * self.unit_size for u in self.units)
 
   @property
@@ -76,9 +89,14 @@ class Layout:
     return tuple(int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
 
   @property
+  def own_block_units(self) -> int:
+    """Units in the block's own region: the largest own run."""
+    return max(self.units)
+
+  @property
   def block_units(self) -> int:
-    """Units in the padded block: the largest slot's unit count (at least 1)."""
-    return max(max(self.units), 1)
+    """Units in the padded block: own region plus shared units (at least 1)."""
+    return max(self.own_block_units + self.shared_units, 1)
 
   @property
   def block(self) -> int:
@@ -92,18 +110,25 @@ class Layout:
   def gather_index(self) -> np.ndarray:
     """int32 [degree, block]: logical index of each padded-block entry, -1 for padding."""
     index = np.full((self.degree, self.block), -1, dtype=np.int32)
+    own_total = sum(self.sizes)
+    shared_start = self.own_block_units * self.unit_size
     for i, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
       index[i, :size] = np.arange(offset, offset + size)
+      index[i, shared_start:] = np.arange(own_total, self.size)
     return index
 
   def scatter_index(self) -> np.ndarray:
-    """int32 [size]: position in the flattened ``[degree * block]`` array of each logical element."""
+    """int32 [size]: position in the flattened ``[degree * block]`` array of each logical
+    element (for shared units, the first slot's copy)."""
     flat = self.gather_index().reshape(-1)
-    return np.flatnonzero(flat >= 0).astype(np.int32)
+    values, first = np.unique(flat, return_index=True)
+    return first[values >= 0].astype(np.int32)
 
   def describe(self) -> str:
     """Short text such as ``'3,3,2 x4'`` (units per live slot x elements per unit)."""
     text = ",".join(str(u) for u in self.units)
+    if self.shared_units:
+      text += f" +{self.shared_units} shared"
     return text if self.unit_size == 1 else f"{text} x{self.unit_size}"
 
 
@@ -167,6 +192,7 @@ def make_layout(
     failed: Sequence[int] = (),
     weights: Sequence[float] | None = None,
     unit_size: int = 1,
+    share_remainder: bool = False,
 ) -> Layout:
   """Layout of ``num_units`` shard units over the live slots of a TP group.
 
@@ -177,11 +203,19 @@ def make_layout(
     weights: per-slot relative speeds, one per nominal slot (failed slots'
       weights are ignored); ``None`` means equal.
     unit_size: elements per unit.
+    share_remainder: with equal weights and at least one unit per live slot,
+      split ``num_units // degree`` units to every slot and share the
+      ``num_units % degree`` left over (see ``Layout.shared_units``) instead
+      of giving some slots one more.
 
   Raises:
     ValueError: see ``live_slots`` and ``apportion``; weights of the wrong length.
   """
   live = live_slots(tp, failed)
+  per_slot, left = divmod(num_units, len(live))
+  if share_remainder and weights is None and per_slot >= 1 and left:
+    return Layout(tp=tp, live_slots=live, units=(per_slot,) * len(live), unit_size=unit_size,
+                  shared_units=left)
   if weights is None:
     live_weights = [1.0] * len(live)
   else:

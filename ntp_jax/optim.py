@@ -51,14 +51,32 @@ def decay_mask(params: nnx.State) -> nnx.State:
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def logical_norm(grads: nnx.State, replicas: int = 1) -> jax.Array:
-  """L2 norm of the logical gradient from ``replicas`` identical stacked copies.
+def logical_norm(grads: nnx.State, replicas: int = 1, *, stacked: bool = False) -> jax.Array:
+  """L2 norm of the logical gradient: each logical element counted once.
 
   Args:
-    grads: replica-stacked gradients (every replica's copy equal, padding zero).
-    replicas: length of the leading replica axis (1 for an unstacked tree).
+    grads: gradients as padded blocks (padding is zero); with ``stacked``,
+      replica-stacked (every replica's copy equal).
+    replicas: length of the leading replica axis when ``stacked``.
+    stacked: whether leaves carry a leading replica axis.
+
+  Shared units (``Layout.shared_units``) are held by every slot; their
+  squares are divided by the TP degree so they count once.
   """
-  return jnp.sqrt(optax.tree.norm(grads, squared=True) / replicas)
+  lead = 1 if stacked else 0
+  total = jnp.zeros((), jnp.float32)
+  for _, v in nnx.to_flat_state(grads):
+    g = v.get_value().astype(jnp.float32)
+    squares = g * g
+    layout = getattr(v, "tp_layout", None)
+    if isinstance(v, TPParam) and layout.shared_units:
+      axis = lead + 1 + v.tp_axis
+      shape = [1] * g.ndim
+      shape[axis] = layout.block
+      shared = jnp.arange(layout.block) >= layout.own_block_units * layout.unit_size
+      squares = squares * jnp.where(shared, 1.0 / layout.degree, 1.0).reshape(shape)
+    total = total + jnp.sum(squares)
+  return jnp.sqrt(total / (replicas if stacked else 1))
 
 
 def clip_by_logical_norm(grads: nnx.State, norm: jax.Array, clip_norm: float) -> nnx.State:

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ntp_jax.layers.params import sum_shared_grads
 from ntp_jax.mesh import DP, TP, class_mesh
 from ntp_jax.optim import clip_by_logical_norm, logical_norm
 from ntp_jax.plan import Plan, ReplicaClass
@@ -91,12 +92,13 @@ def _local_grads(graphdef, params_local, batch, global_tokens):
     # batch: int32 [local sequences, seq + 1]
     return nnx.merge(graphdef, p).loss_sum(batch[:, :-1], batch[:, 1:]) / global_tokens
 
-  return jax.value_and_grad(loss_of)(params)
+  loss, grads = jax.value_and_grad(loss_of)(params)
+  return loss, sum_shared_grads(grads)
 
 
 def _update(optimizer, clip_norm, replicas):
   def update(params, opt_state, grads):
-    norm = logical_norm(grads, replicas)
+    norm = logical_norm(grads, replicas, stacked=True)
     grads = clip_by_logical_norm(grads, norm, clip_norm)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, norm

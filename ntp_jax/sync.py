@@ -60,9 +60,26 @@ def sync_layout(layout: Layout, t_min: int) -> Layout:
 
 
 def flat_layout(layout: Layout, other: int) -> Layout:
-  """``layout`` of a parameter flattened with its split axis first (``other`` = the rest)."""
-  return Layout(tp=layout.tp, live_slots=layout.live_slots, units=layout.units,
+  """``layout`` of a parameter flattened with its split axis first (``other`` = the rest).
+
+  Shared units (last in logical order) are counted once, on the last live
+  slot, right after its own run; the other slots' copies are treated as
+  padding (``to_sync_blocks`` zeroes them).
+  """
+  units = layout.units[:-1] + (layout.units[-1] + layout.shared_units,)
+  return Layout(tp=layout.tp, live_slots=layout.live_slots, units=units,
                 unit_size=layout.unit_size * other)
+
+
+def _last_slot_keeps_shared(value: jax.Array, layout: Layout, axis: int) -> jax.Array:
+  """Zero the shared units' copies on every slot but the last (they are equal)."""
+  if not layout.shared_units:
+    return value
+  shape = [1] * value.ndim
+  shape[axis] = layout.block
+  own = (jnp.arange(layout.block) < layout.own_block_units * layout.unit_size).reshape(shape)
+  last = slot_position() == layout.degree - 1
+  return jnp.where(own | last, value, jnp.zeros((), value.dtype))
 
 
 def _flat_layout(numel: int, degree: int, t_min: int) -> Layout:
@@ -88,6 +105,7 @@ def to_sync_blocks(grads: nnx.State, degree: int, t_min: int) -> dict:
     key = path_key(path)
     value = v.get_value()
     if isinstance(v, TPParam):
+      value = _last_slot_keeps_shared(value, v.tp_layout, 1 + v.tp_axis)
       # Split axis first, then flatten: the slot's elements are one contiguous run.
       run = jnp.moveaxis(value[0], v.tp_axis, 0).reshape(-1)
       src = flat_layout(v.tp_layout, run.size // v.tp_layout.block)
@@ -119,6 +137,14 @@ def from_sync_blocks(blocks: dict, template: nnx.State, degree: int, t_min: int)
       src = flat_layout(v.tp_layout, int(np.prod(moved_shape[1:])))
       run = reshard_uneven(block[0], sync_layout(src, t_min), src, 0)
       value = jnp.moveaxis(run.reshape(moved_shape), 0, v.tp_axis)[None]
+      if v.tp_layout.shared_units:  # copy the shared units from the last slot to all
+        layout, axis = v.tp_layout, 1 + v.tp_axis
+        start = layout.own_block_units * layout.unit_size
+        last = slot_position() == layout.degree - 1
+        shared = jax.lax.slice_in_dim(value, start, layout.block, axis=axis)
+        shared = tp_sum(jnp.where(last, shared, jnp.zeros((), shared.dtype)))
+        value = jnp.concatenate([jax.lax.slice_in_dim(value, 0, start, axis=axis), shared],
+                                axis=axis)
     else:
       shape = v.get_value().shape
       numel = int(np.prod(shape))
@@ -227,6 +253,9 @@ def sync_traffic(plan, abstract_params_by_class: list[nnx.State], itemsize: int 
         dst = sync_layout(src, t_min)
         moved = sum(int(t["send_len"].sum()) for t in transfer_schedule(src, dst) if t["shift"])
         intra += 2 * moved * itemsize * len(c.replicas)  # there and back
+        # Shared units come back to every slot by an all-reduce over the domain.
+        shared = v.tp_layout.shared_units * src.unit_size
+        intra += int(2 * (c.degree - 1) * shared * itemsize) * len(c.replicas)
         numel, block = src.size, dst.block
       else:
         numel = int(np.prod(shape))

@@ -165,3 +165,28 @@ def test_layer_called_outside_shard_map_is_a_clear_error():
   layer = ColumnParallelLinear(3, make_layout(4, 2), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="outside shard_map"):
     layer(jnp.ones((1, 3)))
+
+
+@pytest.mark.parametrize("rows", [3, 4, 1])
+def test_attention_with_shared_kv_groups_on_rows(rows):
+  """8 KV groups on 3 slots as 2 each + 2 shared, computed on each slot's rows."""
+  layout = make_layout(8, 3, share_remainder=True)
+  assert layout.units == (2, 2, 2) and layout.shared_units == 2 and layout.block_units == 4
+  layer = Attention(12, 16, 4, layout, rngs=nnx.Rngs(4))
+  check_layer(layer, (_x((rows, 7, 12)),), (P(),), P(),
+              lambda p, x: ref.attention(x, p, 16, 8, 4, 500_000.0),
+              fn=_attention_fn(4, 500_000.0), grad_args=(0,))
+
+
+def test_shared_kv_groups_do_less_work_per_device_than_padding():
+  from ntp_jax.cost import compiled_flops
+  from ntp_jax.shard import tp_function
+  flops = {}
+  for share in (False, True):
+    layout = make_layout(8, 3, share_remainder=share)
+    layer = Attention(64, 16, 16, layout, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    run = tp_function(graphdef, state, _attention_fn(16, 1e4), mesh_for(layout), (P(),), P())
+    flops[share] = compiled_flops(jax.jit(run).lower(state, _x((6, 32, 64))))
+  # 2 own + 2 shared on a third of the rows = 2.67 groups of work, against 3 padded.
+  assert flops[True] < 0.95 * flops[False], flops

@@ -105,7 +105,8 @@ def test_logical_norm_counts_each_element_once():
   })
   true_norm = np.sqrt(np.sum(scale ** 2) + np.sum(kernel ** 2))
   np.testing.assert_allclose(logical_norm(grads), true_norm, rtol=1e-6)
-  np.testing.assert_allclose(logical_norm(stack_replicas(grads, 3), 3), true_norm, rtol=1e-6)
+  np.testing.assert_allclose(logical_norm(stack_replicas(grads, 3), 3, stacked=True), true_norm,
+                             rtol=1e-6)
   # True norm 0.8 with clip 1.0: nothing is scaled; clip 0.4 halves every entry.
   small = jax_scale(grads, 0.8 / true_norm)
   norm = logical_norm(small)
@@ -114,6 +115,17 @@ def test_logical_norm_counts_each_element_once():
   np.testing.assert_array_equal(same["kernel"][...], small["kernel"][...])
   halved = clip_by_logical_norm(small, norm, 0.4)
   np.testing.assert_allclose(halved["norm"][...], small["norm"][...] / 2, rtol=1e-6)
+
+
+def test_logical_norm_counts_shared_units_once():
+  rng = np.random.default_rng(1)
+  kernel = rng.normal(size=(3, 8))
+  layout = make_layout(8, 3, share_remainder=True)  # 2,2,2 + 2 shared
+  grads = nnx.State({"k": TPParam(to_blocks(jnp.asarray(kernel, jnp.float32), layout, 1),
+                                  tp_layout=layout, tp_axis=1)})
+  np.testing.assert_allclose(logical_norm(grads), np.linalg.norm(kernel), rtol=1e-6)
+  np.testing.assert_allclose(logical_norm(stack_replicas(grads, 2), 2, stacked=True),
+                             np.linalg.norm(kernel), rtol=1e-6)
 
 
 def jax_scale(state, factor):

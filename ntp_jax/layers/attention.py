@@ -7,6 +7,13 @@ arXiv:2305.13245). A slot holding ``k`` units computes ``k`` KV heads and
 row-parallel (one all-reduce). Padded units have zero weights: their queries,
 keys and values are zero, their attention output is zero and meets zero rows
 of ``wo``, so they contribute nothing and receive zero gradient.
+
+When the layout has shared units (``Layout.shared_units``: the KV groups
+left over after an even split, e.g. 8 groups on 3 slots = 2 each + 2
+shared), every slot holds their weights and computes them for its slice of
+the batch rows only, so every slot does the same work and none computes a
+padded group. Their weight gradients are per-slot partial sums, added over
+the TP group by ``ntp_jax.layers.params.sum_shared_grads``.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ntp_jax.collectives import slot_position, tp_sum
 from ntp_jax.layers.linear import ColumnParallelLinear, RowParallelLinear
+from ntp_jax.layers.params import local_block
 from ntp_jax.layers.rope import apply_rope
 from ntp_jax.layout import Layout
 
@@ -46,7 +55,10 @@ class Attention(nnx.Module):
           f"{n_kv_heads} KV heads")
     self.group = n_heads // n_kv_heads
     self.head_dim = head_dim
-    self.kv_block = layout.block_units
+    self.dtype = dtype
+    self.degree = layout.degree
+    self.own_units = layout.own_block_units
+    self.shared_units = layout.shared_units
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     q_layout = layout.with_unit_size(self.group * head_dim)
     kv_layout = layout.with_unit_size(head_dim)
@@ -57,11 +69,39 @@ class Attention(nnx.Module):
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     b, s, _ = x.shape
-    # Local blocks: q [b, s, kv_block * group, head_dim]; k, v [b, s, kv_block, head_dim].
-    q = self.wq(x).reshape(b, s, self.kv_block * self.group, self.head_dim)
-    k = self.wk(x).reshape(b, s, self.kv_block, self.head_dim)
-    v = self.wv(x).reshape(b, s, self.kv_block, self.head_dim)
+    per_group = self.group * self.head_dim
+    wq, wk, wv, wo = (local_block(w.kernel).astype(self.dtype)
+                      for w in (self.wq, self.wk, self.wv, self.wo))
+    own = self.own_units
+    x = x.astype(self.dtype)
+    out = self._heads(x, cos, sin, wq[:, :own * per_group], wk[:, :own * self.head_dim],
+                      wv[:, :own * self.head_dim], wo[:own * per_group], own)
+    if self.shared_units:
+      out = out + self._shared_heads(x, cos, sin, wq[:, own * per_group:],
+                                     wk[:, own * self.head_dim:], wv[:, own * self.head_dim:],
+                                     wo[own * per_group:])
+    return tp_sum(out)
+
+  def _heads(self, x, cos, sin, wq, wk, wv, wo, units):
+    """Partial output ``[b, s, d_model]`` of ``units`` KV groups on rows ``x``."""
+    b, s, _ = x.shape
+    # q [b, s, units * group, head_dim]; k, v [b, s, units, head_dim].
+    q = (x @ wq).reshape(b, s, units * self.group, self.head_dim)
+    k = (x @ wk).reshape(b, s, units, self.head_dim)
+    v = (x @ wv).reshape(b, s, units, self.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Query head n reads KV head n // group, the grouping dot_product_attention uses.
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    return self.wo(out.reshape(b, s, self.kv_block * self.group * self.head_dim))
+    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return attended.reshape(b, s, units * self.group * self.head_dim) @ wo
+
+  def _shared_heads(self, x, cos, sin, wq, wk, wv, wo):
+    """Shared KV groups on this slot's slice of the rows; zeros on the other rows."""
+    b = x.shape[0]
+    rows = -(-b // self.degree)  # ceil: the last slots may get zero rows
+    padded = jnp.pad(x, ((0, rows * self.degree - b), (0, 0), (0, 0)))
+    start = slot_position() * rows
+    mine = jax.lax.dynamic_slice_in_dim(padded, start, rows, axis=0)
+    partial = self._heads(mine, cos, sin, wq, wk, wv, wo, self.shared_units)
+    placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(padded[..., :partial.shape[-1]]),
+                                                 partial, start, axis=0)
+    return placed[:b]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ntp_jax.blocks import to_blocks
+from ntp_jax.collectives import tp_sum
 from ntp_jax.layout import Layout
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
@@ -50,3 +51,22 @@ def local_block(param: nnx.Variable) -> jax.Array:
         f"layer called outside shard_map: parameter has {value.shape[0]} slot blocks, "
         "expected this device's one; run it through ntp_jax.shard.tp_call")
   return value[0]
+
+
+def sum_shared_grads(grads: nnx.State) -> nnx.State:
+  """Inside a ``shard_map`` body: add the gradients of shared units over the TP group.
+
+  Each slot computes shared units (``Layout.shared_units``) on its own batch
+  rows, so its gradient there is a partial sum; after this every slot holds
+  the full gradient of its copy, and the copies stay identical.
+  """
+  def total(v):
+    layout = getattr(v, "tp_layout", None)
+    if not isinstance(v, TPParam) or not layout.shared_units:
+      return v
+    g, axis = v.get_value(), 1 + v.tp_axis
+    start = layout.own_block_units * layout.unit_size
+    own = jax.lax.slice_in_dim(g, 0, start, axis=axis)
+    shared = jax.lax.slice_in_dim(g, start, layout.block, axis=axis)
+    return v.replace(jnp.concatenate([own, tp_sum(shared)], axis=axis))
+  return jax.tree.map(total, grads, is_leaf=lambda x: isinstance(x, nnx.Variable))
