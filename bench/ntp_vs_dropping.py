@@ -8,11 +8,11 @@ NTP with two failed slots (replica 1 at degree 2); DP-DROP (replica 1
 removed). For each: sequences and tokens per step, executed flops per live
 device from XLA's cost analysis (per class), the flops that device's own
 shard needs (the same step for a TP group whose every slot holds exactly
-that device's units), and the median step time. Writes a markdown table.
+that device's units; a shared KV group counts as ``1 / degree`` of a group),
+and the median step time. Writes a markdown table.
 """
 
 import argparse
-import dataclasses
 import functools
 import os
 import statistics
@@ -32,7 +32,7 @@ from flax import nnx  # noqa: E402
 
 from common import emit, load_config  # noqa: E402
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
-from ntp_jax.cost import class_step_flops  # noqa: E402
+from ntp_jax.cost import class_step_flops, own_shard_flops  # noqa: E402
 from ntp_jax.optim import make_optimizer  # noqa: E402
 from ntp_jax.plan import make_plan  # noqa: E402
 from ntp_jax.replica_class import JobStep, build_class_programs  # noqa: E402
@@ -57,25 +57,6 @@ def build(cfg, config, failed, *, tp=TP, dp=DP, batch_size=None):
   return plan, JobStep(plan, programs)
 
 
-def own_shard_flops(cfg, config, replica_class, position, cache):
-  """Flops of the same step for a uniform TP group holding exactly this device's units."""
-  layouts = replica_class.layouts
-  units = (layouts.heads.units[position], layouts.ffn.units[position],
-           layouts.vocab.units[position])
-  key = (units, replica_class.degree, replica_class.batch_share)
-  if key not in cache:
-    degree = replica_class.degree
-    group = cfg.n_heads // cfg.n_kv_heads
-    uniform = dataclasses.replace(
-        cfg, n_kv_heads=degree * units[0], n_heads=degree * units[0] * group,
-        d_ff=degree * units[1] * cfg.ffn_granularity,
-        vocab_size=degree * units[2] * cfg.vocab_granularity)
-    plan, job = build(uniform, config, "", tp=degree, dp=1,
-                      batch_size=replica_class.batch_share)
-    cache[key] = class_step_flops(job, job.programs[0], config.train.seq_len)
-  return cache[key]
-
-
 def measure(cfg, config, name, failed, steps, cache):
   plan, job = build(cfg, config, failed)
   seq = config.train.seq_len
@@ -94,7 +75,10 @@ def measure(cfg, config, name, failed, steps, cache):
     flops.append(executed)
     for replica, slots in zip(c.replicas, c.live_slots):
       for position, slot in enumerate(slots):
-        ratio = executed / own_shard_flops(cfg, config, c, position, cache)
+        need = own_shard_flops(cfg, c, position, config.train.seq_len, cache,
+                               lambda uniform, degree, share: build(
+                                   uniform, config, "", tp=degree, dp=1, batch_size=share)[1])
+        ratio = executed / need
         if ratio > worst_vs_own:
           worst_vs_own, worst_device = ratio, f"replica {replica} slot {slot}"
   return dict(name=name, failed=failed or "-", live=plan.live_devices,

@@ -7,6 +7,8 @@ This is the noise-free way to measure wasted compute on a CPU host.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,3 +46,43 @@ def class_step_flops(job: JobStep, program: ClassProgram, seq_len: int) -> float
             for k, b in blocks.items()}
   update_flops = compiled_flops(program.update.lower(program.params, program.opt_state, blocks))
   return grad_flops + update_flops
+
+
+def own_shard_flops(cfg, replica_class, position: int, seq_len: int, cache: dict,
+                    build_job: Callable[[Any, int, int], JobStep]) -> float:
+  """Flops one device's own shard needs in a step.
+
+  That is the per-device flops of the same step for a uniform TP group
+  (``replica_class.degree`` slots, the class's batch share) whose every slot
+  holds exactly this device's units of heads, MLP and vocabulary. A shared
+  KV group counts for ``1 / degree`` of a group (each slot computes it on
+  that fraction of the rows); attention work is linear in groups, so the
+  need is interpolated between the uniform steps at ``k`` and ``k + 1`` groups.
+
+  Args:
+    cfg: the model's ``GPTConfig``.
+    replica_class: the device's class; position: its index among live slots.
+    seq_len: tokens per sequence. cache: memo of compiled uniform steps.
+    build_job: ``(uniform cfg, degree, batch share) -> JobStep`` of one class.
+  """
+  layouts = replica_class.layouts
+  degree, share = replica_class.degree, replica_class.batch_share
+  heads, ffn, vocab = (layouts.heads.units[position], layouts.ffn.units[position],
+                       layouts.vocab.units[position])
+
+  def uniform(kv_groups):
+    key = (degree, kv_groups, ffn, vocab, share, seq_len)
+    if key not in cache:
+      group = cfg.n_heads // cfg.n_kv_heads
+      model = dataclasses.replace(
+          cfg, n_kv_heads=degree * kv_groups, n_heads=degree * kv_groups * group,
+          d_ff=degree * ffn * cfg.ffn_granularity,
+          vocab_size=degree * vocab * cfg.vocab_granularity)
+      job = build_job(model, degree, share)
+      cache[key] = class_step_flops(job, job.programs[0], seq_len)
+    return cache[key]
+
+  base = uniform(heads)
+  if not layouts.heads.shared_units:
+    return base
+  return base + (uniform(heads + 1) - base) * layouts.heads.shared_units / degree

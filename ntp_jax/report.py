@@ -28,6 +28,8 @@ def parameter_table(state: nnx.State) -> str:
       logical = list(value.shape[1:])
       logical[axis] = layout.size
       split = f"axis {axis}: " + ",".join(str(s) for s in layout.sizes)
+      if layout.shared_units:
+        split += f" +{layout.shared_units * layout.unit_size} shared"
       block = tuple(value.shape[1:])
     else:
       logical, split, block = list(value.shape), "replicated", tuple(value.shape)

@@ -16,14 +16,18 @@ from ntp_jax.replica_class import JobStep, build_class_programs
 SEQ = 128  # enough tokens that per-step work dominates the per-parameter sync work
 
 
-def _flops_by_class(failed):
-  plan = make_plan(functools.partial(model_layouts, SMALL), tp=4, dp=2, failed=failed,
-                   batch_size=8)
-  programs = build_class_programs(plan, lambda layouts: GPT(SMALL, layouts, rngs=nnx.Rngs(0)),
+def _job(cfg, tp, dp, failed, batch_size):
+  plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp, failed=failed,
+                   batch_size=batch_size)
+  programs = build_class_programs(plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(0)),
                                   optax.adamw(1e-3), 1.0, plan.global_batch * SEQ,
-                                  jax.devices()[:8])
-  job = JobStep(plan, programs)
-  return {p.replica_class.degree: class_step_flops(job, p, SEQ) for p in programs}
+                                  jax.devices()[:tp * dp])
+  return JobStep(plan, programs)
+
+
+def _flops_by_class(failed):
+  job = _job(SMALL, 4, 2, failed, 8)
+  return {p.replica_class.degree: class_step_flops(job, p, SEQ) for p in job.programs}
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +44,21 @@ def test_healthy_replica_executes_its_own_work_only(healthy, failed, reduced_deg
   assert flops[4] <= 1.02 * healthy, (flops[4], healthy)
   assert flops[4] >= healthy
 
+
+
+def test_every_device_of_a_reduced_replica_executes_within_2_percent_of_its_own_need():
+  """8 KV groups at degree 3: 2 each + 2 shared on a third of the rows, no padded group.
+
+  Sizes chosen so every other split is even (d_ff 24 = 3 x 8, vocabulary 48).
+  """
+  import dataclasses
+  from ntp_jax.cost import own_shard_flops
+  cfg = dataclasses.replace(SMALL, d_ff=24, ffn_granularity=1, vocab_size=48)
+  job = _job(cfg, 4, 2, "1:2", 8)  # shares 4 and 3: one row per slot for the shared groups
+  reduced = [p for p in job.programs if p.replica_class.degree == 3][0]
+  executed = class_step_flops(job, reduced, SEQ)
+  cache = {}
+  for position in range(3):
+    need = own_shard_flops(cfg, reduced.replica_class, position, SEQ, cache,
+                           lambda model, degree, share: _job(model, degree, 1, "", share))
+    assert executed <= 1.02 * need, (position, executed, need)
