@@ -14,7 +14,6 @@ Sec. 3 (reduced TP degree after a failure) and Sec. 4 (shard placement).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -240,7 +239,3 @@ def units_of(dim: int, granularity: int, field: str) -> int:
     raise ConfigError(f"{field}: granularity {granularity} does not divide {dim}")
   return dim // granularity
 
-
-def ideal_block(layout: Layout) -> float:
-  """Elements per live slot with a perfect split (for reporting padding waste)."""
-  return layout.size / layout.degree if layout.degree else math.nan

@@ -49,15 +49,3 @@ def parameter_table(state: nnx.State) -> str:
   lines.append(f"logical parameters: {total:,}")
   return "\n".join(lines)
 
-
-def padded_fraction(state: nnx.State) -> float:
-  """Stored elements / logical elements - 1 (the memory cost of padding)."""
-  stored = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
-  logical = 0
-  for _, v in nnx.to_flat_state(state):
-    shape = list(v.get_value().shape)
-    if isinstance(v, TPParam):
-      shape = shape[1:]
-      shape[v.tp_axis] = v.tp_layout.size
-    logical += int(np.prod(shape))
-  return stored / logical - 1

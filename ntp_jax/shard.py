@@ -88,18 +88,27 @@ def from_logical(state: nnx.State, logical: dict) -> nnx.State:
   """``state`` with values replaced from a nested dict of logical arrays.
 
   Raises:
-    ValueError: a logical array's shape does not match the parameter's.
+    ValueError: naming the parameter, when its logical array is missing or
+      has another shape.
   """
   flat_logical = dict(nnx.traversals.flatten_mapping(logical))
+
   def fill(path, v):
     key = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+    name = "/".join(map(str, key))
+    if key not in flat_logical:
+      raise ValueError(f"parameter {name}: missing from the logical arrays")
     value = jnp.asarray(flat_logical[key])
+    stored = v.get_value()
+    expected = list(stored.shape)
+    if isinstance(v, TPParam):
+      expected = expected[1:]
+      expected[v.tp_axis] = v.tp_layout.size
+    if tuple(value.shape) != tuple(expected):
+      raise ValueError(f"parameter {name}: shape {tuple(value.shape)}, expected {tuple(expected)}")
     if isinstance(v, TPParam):
       value = to_blocks(value, v.tp_layout, v.tp_axis)
-    if value.shape != v[...].shape:
-      raise ValueError(f"parameter {'/'.join(map(str, key))}: shape {value.shape}, "
-                       f"expected {v[...].shape}")
-    return v.replace(value.astype(v[...].dtype))
+    return v.replace(value.astype(stored.dtype))
   return jax.tree_util.tree_map_with_path(fill, state, is_leaf=_is_variable)
 
 

@@ -51,6 +51,22 @@ def test_same_seed_gives_same_logical_parameters_for_every_layout():
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
+def test_logical_round_trip_through_blocks_with_shared_units():
+  from ntp_jax.shard import from_logical
+  layouts = model_layouts(CFG, 8, (3,))  # 8 KV heads on 7 slots: 1 each + 1 shared
+  assert layouts.heads.shared_units == 1
+  state = nnx.state(GPT(CFG, layouts, rngs=nnx.Rngs(5)))
+  logical = to_logical(state)
+  other = nnx.state(GPT(CFG, layouts, rngs=nnx.Rngs(6)))
+  restored = from_logical(other, logical)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.leaves(restored), jax.tree.leaves(state))
+  bad = jax.tree.map(lambda x: x, logical)
+  bad["embed"]["embedding"] = bad["embed"]["embedding"][:-1]
+  with pytest.raises(ValueError, match=r"parameter embed/embedding: shape \(36, 16\), "
+                                       r"expected \(37, 16\)"):
+    from_logical(other, bad)
+
+
 def test_gpt_8b_shapes_and_parameter_count_without_allocating():
   import configs.gpt_8b
   cfg = GPTConfig.from_config(configs.gpt_8b.get_config().model)

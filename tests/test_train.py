@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import configs.gpt_tiny
+from ntp_jax.metrics import read_metrics
 from ntp_jax.trainer import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,8 +57,7 @@ def test_two_replicas_of_different_degree_match_single_device(workdir):
 def test_metrics_jsonl_has_one_full_precision_record_per_step(workdir):
   summary = train(tiny_config(workdir, **{"ntp.failed": "2,5", "train.steps": 3}),
                   log=lambda *_: None)
-  with open(summary["metrics_path"]) as f:
-    records = [json.loads(line) for line in f]
+  records = read_metrics(summary["metrics_path"])
   assert [r["step"] for r in records] == [0, 1, 2]
   for r, loss in zip(records, summary["losses"]):
     assert {"step", "loss", "tokens", "step_time_s", "tp_degree"} <= set(r)
