@@ -70,11 +70,6 @@ def spec_shardings(specs: Any, mesh: Mesh) -> Any:
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
-  """``NamedSharding`` per variable on ``mesh`` (replicated over ``'dp'``)."""
-  return spec_shardings(state_specs(state), mesh)
-
-
 def to_logical(state: nnx.State) -> dict:
   """Nested dict of logical arrays: blocks of each ``TPParam`` joined, padding dropped."""
   def logical(v):

@@ -74,7 +74,7 @@ def train(config, *, log=print) -> dict[str, Any]:
   """
   check_train_fields(config.train)
   cfg = GPTConfig.from_config(config.model)
-  make_optimizer(config.train)  # validates the optimizer fields up front
+  optimizer = make_optimizer(config.train)  # validates the optimizer fields up front
   plan = plan_from_config(config, cfg)
   devices = check_devices(plan)
   log(plan.describe())
@@ -85,19 +85,20 @@ def train(config, *, log=print) -> dict[str, Any]:
   dataset.check_batch_size(plan.global_batch)
   log(dataset.describe())
 
-  optimizer = make_optimizer(config.train)
   global_tokens = plan.global_batch * seq_len
   programs = build_class_programs(
       plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(config.train.seed)), optimizer,
       config.train.clip_norm, global_tokens, devices)
   job_step = JobStep(plan, programs)
-  for program in programs:
+  # Shapes only: slicing one replica's copy out of the stacked arrays would copy them.
+  shapes = [jax.eval_shape(replica_view, p.params) for p in programs]
+  for program, shape in zip(programs, shapes):
     log(f"class {program.replica_class.index} (TP degree {program.replica_class.degree}, "
         f"replicas {list(program.replica_class.replicas)}):")
-    log(parameter_table(replica_view(program.params)))
+    log(parameter_table(shape))
 
   if len(programs) > 1:
-    traffic = sync_traffic(plan, [replica_view(p.params) for p in programs],
+    traffic = sync_traffic(plan, shapes,
                            np.dtype(cfg.storage_dtype).itemsize)
     log(f"gradient sync per step: {traffic['cross_replica'] / 1e6:.2f} MB across domains, "
         f"{traffic['intra_domain'] / 1e6:.2f} MB inside domains "

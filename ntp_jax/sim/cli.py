@@ -27,22 +27,19 @@ def _items(text: str) -> list[str]:
   return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-  """Comma list of integers, e.g. ``32,30,28``."""
-  try:
-    return tuple(int(v) for v in _items(text))
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is not a comma list of integers, e.g. 32,30,28") from None
+def _comma_list(kind: type, what: str, example: str):
+  """argparse type for a comma list of ``kind`` values, e.g. ``32,30,28``."""
+  def parse(text: str) -> tuple:
+    try:
+      return tuple(kind(v) for v in _items(text))
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+          f"{text!r} is not a comma list of {what}, e.g. {example}") from None
+  return parse
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-  """Comma list of numbers, e.g. ``0,0.001,0.002``."""
-  try:
-    return tuple(float(v) for v in _items(text))
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is not a comma list of numbers, e.g. 0,0.001,0.002") from None
+_int_list = _comma_list(int, "integers", "32,30,28")
+_float_list = _comma_list(float, "numbers", "0,0.001,0.002")
 
 
 def _policy(name: str) -> Policy:

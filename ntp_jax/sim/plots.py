@@ -36,11 +36,8 @@ def plot_loss_sweep(points: Sequence[LossPoint], path: pathlib.Path, title: str)
             label=f"{_LABELS.get(policy, policy)} mean")
     ax.plot(x, [100 * p.max_loss for p in mine], "--", color=color,
             label=f"{_LABELS.get(policy, policy)} max")
-  ax.set_xlabel("fraction of GPUs failed")
-  ax.set_ylabel("throughput loss (%)")
+  _finish_axes(ax, "fraction of GPUs failed", "throughput loss (%)")
   ax.set_title(textwrap.fill(title, 80), fontsize=8)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
   return _save(plt, fig, path)
 
 
@@ -55,10 +52,7 @@ def plot_timeline(result: AvailabilityTimeline, path: pathlib.Path, title: str) 
   top.set_title(textwrap.fill(title, 90), fontsize=8)
   for policy, values in result.availability.items():
     bottom.plot(days, 100 * values, color=_COLORS.get(policy), label=_LABELS.get(policy, policy))
-  bottom.set_xlabel("time (days)")
-  bottom.set_ylabel("availability (%)")
-  bottom.grid(alpha=0.3)
-  bottom.legend(fontsize=8)
+  _finish_axes(bottom, "time (days)", "availability (%)")
   return _save(plt, fig, path)
 
 
@@ -72,12 +66,17 @@ def plot_spares(result: SparesResult, path: pathlib.Path, title: str) -> pathlib
     needed = result.needed[policy]
     if needed is not None:
       ax.plot([needed], [values[needed]], "o", color=color)
-  ax.set_xlabel("spare scale-up domains")
-  ax.set_ylabel("throughput per GPU (healthy, no spares = 1)")
+  _finish_axes(ax, "spare scale-up domains", "throughput per GPU (healthy, no spares = 1)")
   ax.set_title(textwrap.fill(title, 80), fontsize=8)
+  return _save(plt, fig, path)
+
+
+def _finish_axes(ax, xlabel: str, ylabel: str) -> None:
+  """Axis labels, a light grid and the legend."""
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
-  return _save(plt, fig, path)
 
 
 def _save(plt, fig, path: pathlib.Path) -> pathlib.Path:
