@@ -1,4 +1,4 @@
-"""Batches: shape, dtype, range, seeded order, resumability, epochs, splits."""
+"""Batches: shape, dtype, range, seeded order, cursor, epochs, splits."""
 
 import numpy as np
 import pytest
@@ -104,6 +104,71 @@ def test_epochs_are_reshuffled_and_batches_straddle_them(numbered_bin,
   rows = np.concatenate([ds.batch(s, 12) for s in range(6)])[:, 0]
   np.testing.assert_array_equal(rows, walk[:72])
   assert not np.array_equal(order0, order1)
+
+
+def packed_rows(path):
+  """The rows of a numbered .bin file as packing cuts them, [N, SEQ_LEN + 1]."""
+  tokens = np.fromfile(path, dtype="<u2")[:NUM_SEQUENCES * (SEQ_LEN + 1)]
+  return tokens.reshape(NUM_SEQUENCES, SEQ_LEN + 1)
+
+
+def test_changing_counts_take_each_sequence_once_per_epoch(numbered_bin,
+                                                           tmp_path):
+  ds = numbered_dataset(numbered_bin, tmp_path, seed=2)
+  counts = [5, 3, 7, 2, 11, 1, 40, 6, 9]  # 84 sequences: straddles 2 epochs
+  cursor, ids, rows = 0, [], []
+  for count in counts:
+    ids.append(ds.sequence_ids(cursor, count))
+    rows.append(ds.sequences(cursor, count))
+    cursor += count
+  ids, rows = np.concatenate(ids), np.concatenate(rows)
+  assert ids.dtype == np.int64 and ids.shape == (cursor,)
+  assert rows.dtype == np.int32 and rows.shape == (cursor, SEQ_LEN + 1)
+  for epoch in range(2):
+    assert sorted(ids[epoch * NUM_SEQUENCES:(epoch + 1) * NUM_SEQUENCES]) == (
+        list(range(NUM_SEQUENCES)))
+  np.testing.assert_array_equal(rows, packed_rows(numbered_bin)[ids])
+  # The walk does not depend on how it was cut into counts, nor on the
+  # calls a dataset saw before (a resumed run starts at its cursor).
+  resumed = numbered_dataset(numbered_bin, tmp_path, seed=2)
+  np.testing.assert_array_equal(resumed.sequence_ids(50, cursor - 50),
+                                ids[50:])
+  np.testing.assert_array_equal(
+      np.concatenate([ds.sequence_ids(c, 12) for c in range(0, 84, 12)]), ids)
+
+
+def test_batch_is_sequences_at_step_times_batch_size(numbered_bin, tmp_path):
+  ds = numbered_dataset(numbered_bin, tmp_path)
+  for step, batch_size in [(0, 8), (3, 12), (7, 40), (2**33, 7)]:
+    np.testing.assert_array_equal(
+        ds.batch(step, batch_size), ds.sequences(step * batch_size,
+                                                 batch_size))
+
+
+def test_sequences_straddle_epochs_at_any_cursor(numbered_bin, tmp_path):
+  ds = numbered_dataset(numbered_bin, tmp_path, seed=9)
+  epoch = 2**40  # positions far past int32
+  cursor = epoch * NUM_SEQUENCES - 3
+  np.testing.assert_array_equal(
+      ds.sequence_ids(cursor, 7),
+      np.concatenate([ds.epoch_order(epoch - 1)[-3:],
+                      ds.epoch_order(epoch)[:4]]))
+  orders = [ds.epoch_order(e) for e in (0, 1, epoch)]
+  for order in orders:
+    assert sorted(order) == list(range(NUM_SEQUENCES))
+  assert not np.array_equal(orders[0], orders[1])
+  assert not np.array_equal(orders[1], orders[2])
+
+
+def test_bad_cursor_or_count(numbered_bin, tmp_path):
+  ds = numbered_dataset(numbered_bin, tmp_path)
+  with pytest.raises(DataError, match=r"^train\.batch_size: "):
+    ds.sequence_ids(0, 0)
+  with pytest.raises(DataError, match=r"^data\.path: .*fewer than one batch"):
+    ds.sequences(0, NUM_SEQUENCES + 1)
+  for cursor in (-1, 1.5, True):
+    with pytest.raises(ValueError, match="cursor"):
+      ds.sequence_ids(cursor, 4)
 
 
 def test_batch_larger_than_corpus_is_a_clear_error(numbered_bin, tmp_path):

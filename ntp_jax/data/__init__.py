@@ -4,7 +4,9 @@ numpy and `tokenizers` only (no JAX), so data preparation runs anywhere.
 
   ds = make_dataset(path=None, vocab_size=8192, seq_len=256,
                     cache_dir="workdir", seed=0)
-  tokens = ds.batch(step, batch_size)   # int32 [batch_size, seq_len + 1]
+  tokens = ds.sequences(cursor, count)  # int32 [count, seq_len + 1]
+  cursor += count                       # the count may change per step
+  tokens = ds.batch(step, batch_size)   # = ds.sequences(step * bs, bs)
 
 Every user-facing failure is a `DataError`: one line naming the config field.
 """

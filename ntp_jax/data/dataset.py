@@ -2,7 +2,9 @@
 
 Text is tokenized once per (input files, vocabulary size, byte budget) and
 cached in the workdir: the tokenizer JSON and the token stream (`.npy`). A
-second call with the same inputs loads both from there instead of training.
+second call with the same inputs loads both from there instead of training,
+after checking their sizes and checksums; a damaged entry is rebuilt (see
+`cache`).
 """
 
 import os
@@ -85,23 +87,35 @@ def _load_or_tokenize_text(source, vocab_size, cache_dir, max_corpus_bytes):
   entry = cache.entry_dir(
       cache_dir, source.kind, files=cache.file_fingerprint(source.files),
       vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes)
-  meta = cache.read_meta(entry)
-  from_cache = meta is not None
-  if not from_cache:
-    cache.build_entry(entry, lambda folder: _tokenize_text_into(
-        folder, source, vocab_size, max_corpus_bytes))
-    meta = cache.read_meta(entry)
-  tokenizer_path = os.path.join(entry, TOKENIZER_FILE)
-  tokenizer = tokenizer_lib.load_tokenizer(tokenizer_path)
-  # Memory-mapped: a large corpus costs page cache, not process memory.
-  tokens = np.load(os.path.join(entry, TOKENS_FILE), mmap_mode="r")
-  info = CorpusInfo(source=source.description,
-                    num_files=meta["num_files_read"],
-                    num_docs=meta["num_docs"], num_tokens=int(tokens.size),
-                    tokenizer_path=tokenizer_path, from_cache=from_cache,
-                    num_text_bytes=meta["num_bytes"],
-                    truncated=meta["truncated"])
+  (tokenizer, tokens, stats), from_cache = cache.load_or_build(
+      entry, lambda folder: _tokenize_text_into(
+          folder, source, vocab_size, max_corpus_bytes),
+      lambda folder, meta: _read_text_entry(folder, meta, vocab_size))
+  info = CorpusInfo(source=source.description, num_tokens=int(tokens.size),
+                    tokenizer_path=os.path.join(entry, TOKENIZER_FILE),
+                    from_cache=from_cache, **stats)
   return tokens, tokenizer, info
+
+
+def _read_text_entry(folder, meta, vocab_size):
+  """Loads a checked text entry: (tokenizer, tokens, CorpusInfo fields).
+
+  Raises:
+    ValueError, KeyError, Exception: the files or metadata do not fit
+      together, or the tokenizer JSON does not parse (the cache rebuilds).
+  """
+  tokenizer = tokenizer_lib.load_tokenizer(os.path.join(folder,
+                                                        TOKENIZER_FILE))
+  # Memory-mapped: a large corpus costs page cache, not process memory.
+  tokens = np.load(os.path.join(folder, TOKENS_FILE), mmap_mode="r")
+  if (tokens.ndim != 1 or tokens.size != meta["num_tokens"]
+      or tokens.dtype != packing.token_dtype(vocab_size)
+      or tokenizer.get_vocab_size() != meta["tokenizer_vocab_size"]):
+    raise ValueError(f"{TOKENS_FILE} or {TOKENIZER_FILE} does not match "
+                     f"{cache.META_FILE}")
+  stats = dict(num_files=meta["num_files_read"], num_docs=meta["num_docs"],
+               num_text_bytes=meta["num_bytes"], truncated=meta["truncated"])
+  return tokenizer, tokens, stats
 
 
 def _tokenize_text_into(folder, source, vocab_size, max_corpus_bytes):

@@ -1,10 +1,13 @@
-"""Batches of packed sequences in a seeded order, as a pure function of step.
+"""Packed sequences served in a seeded order, as a pure function of position.
 
-The order is a random permutation of the sequences, drawn afresh for each
-epoch from `np.random.default_rng(seed + epoch)`; the batch of step s is the
-slice [s * batch_size, (s + 1) * batch_size) of that endless walk. Nothing
-depends on which batches were asked for before, so a restarted run resumes
-at any step with exactly the batches it would have seen.
+The order is an endless walk over the sequences: epoch e visits them in a
+random permutation drawn from `np.random.default_rng(seed + epoch)`, and walk
+position p is offset p % num_sequences of epoch p // num_sequences. A reader
+keeps a cursor, the number of sequences consumed so far, and asks for
+`sequences(cursor, count)`; the batch size may change from one call to the
+next. Nothing depends on which positions were asked for before, so a
+restarted run resumes at any cursor with exactly the data it would have seen.
+See docs/data.md for why the order is a numpy permutation and not grain's.
 """
 
 import dataclasses
@@ -118,35 +121,72 @@ class PackedDataset:
           f"sequences of {self.seq_len + 1} tokens, fewer than one batch of "
           f"{batch_size}; give more text or lower the batch size or seq_len")
 
+  def sequence_ids(self, cursor: int, count: int) -> np.ndarray:
+    """Which sequences the walk visits at positions [cursor, cursor + count).
+
+    Args:
+      cursor: non-negative walk position: sequences consumed so far.
+      count: sequences to take, 1 to `num_sequences`; the range may straddle
+        two epochs.
+
+    Returns:
+      int64 array [count] of row indices into this split's packed sequences.
+
+    Raises:
+      DataError: `count` is not a positive integer (naming the batch size
+        field) or exceeds `num_sequences` (naming data.path); see
+        `check_batch_size`.
+      ValueError: `cursor` is negative or not an integer.
+    """
+    self.check_batch_size(count)
+    if not _is_int(cursor) or cursor < 0:
+      raise ValueError(f"cursor must be a non-negative integer, got "
+                       f"{cursor!r}")
+    # Python ints first: a cursor can pass int32 on long runs.
+    first = int(cursor)
+    positions = np.arange(first, first + int(count), dtype=np.int64)
+    epochs, offsets = np.divmod(positions, self.num_sequences)
+    ids = np.empty(int(count), dtype=np.int64)
+    for epoch in np.unique(epochs):
+      in_epoch = epochs == epoch
+      ids[in_epoch] = self.epoch_order(int(epoch))[offsets[in_epoch]]
+    return ids
+
+  def sequences(self, cursor: int, count: int) -> np.ndarray:
+    """The sequences at walk positions [cursor, cursor + count).
+
+    Args:
+      cursor: non-negative walk position: sequences consumed so far.
+      count: sequences to take, 1 to `num_sequences`.
+
+    Returns:
+      int32 array [count, seq_len + 1]: row i is packed sequence
+      `sequence_ids(cursor, count)[i]`; inputs are [:, :-1], targets [:, 1:].
+
+    Raises:
+      DataError, ValueError: see `sequence_ids`.
+    """
+    ids = self.sequence_ids(cursor, count)
+    return np.asarray(self._sequences[ids], dtype=np.int32)
+
   def batch(self, step: int, batch_size: int) -> np.ndarray:
-    """The batch of a training step.
+    """The batch of a step at a fixed batch size: `sequences(step * bs, bs)`.
 
     Args:
       step: non-negative step index; any order of calls gives the same data.
-      batch_size: sequences per batch, at most `num_sequences`. A batch may
-        straddle two epochs.
+      batch_size: sequences per batch, at most `num_sequences`.
 
     Returns:
-      int32 array [batch_size, seq_len + 1]: inputs are [:, :-1], targets
-      [:, 1:].
+      int32 array [batch_size, seq_len + 1].
 
     Raises:
       DataError: see `check_batch_size`.
-      ValueError: `step` is negative.
+      ValueError: `step` is negative or not an integer.
     """
     self.check_batch_size(batch_size)
     if not _is_int(step) or step < 0:
       raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    count = self.num_sequences
-    # Python ints first: step * batch_size can pass int32 on long runs.
-    first = int(step) * int(batch_size)
-    positions = np.arange(first, first + batch_size, dtype=np.int64)
-    epochs, offsets = np.divmod(positions, count)
-    rows = np.empty(batch_size, dtype=np.int64)
-    for epoch in np.unique(epochs):
-      in_epoch = epochs == epoch
-      rows[in_epoch] = self.epoch_order(int(epoch))[offsets[in_epoch]]
-    return np.asarray(self._sequences[rows], dtype=np.int32)
+    return self.sequences(int(step) * int(batch_size), batch_size)
 
   def epoch_order(self, epoch: int) -> np.ndarray:
     """Sequence indices in the order epoch `epoch` visits them.

@@ -21,7 +21,8 @@ def load_token_file(path: str, vocab_size: int,
   """Memory-maps a `.bin` token file and checks every id fits the model.
 
   The largest id is found by a full scan once and cached (keyed by the
-  file's size and modification time), so restarts on big files are quick.
+  file's size and modification time, checked on read and rescanned with a
+  warning when damaged), so restarts on big files are quick.
 
   Args:
     path: absolute path of the `.bin` file.
@@ -49,18 +50,25 @@ def load_token_file(path: str, vocab_size: int,
     raise field_error("path", f"cannot read {path!r}: {e.strerror}")
 
   entry = cache.entry_dir(cache_dir, "bin", file=(path, size, mtime_ns))
-  meta = cache.read_meta(entry)
-  from_cache = meta is not None
-  if not from_cache:
-    cache.build_entry(entry, lambda _: {"max_token": _max_token(tokens),
-                                        "num_tokens": int(tokens.size)})
-    meta = cache.read_meta(entry)
-  if meta["max_token"] >= vocab_size:
+  max_token, from_cache = cache.load_or_build(
+      entry, lambda _: {"max_token": _max_token(tokens),
+                        "num_tokens": int(tokens.size)},
+      lambda _, meta: _cached_max_token(meta, tokens.size))
+  if max_token >= vocab_size:
     raise field_error(
-        "path", f"token file {path!r} holds token id {meta['max_token']}, "
+        "path", f"token file {path!r} holds token id {max_token}, "
         f"not below the model vocabulary size {vocab_size}; raise the "
         "vocabulary size or re-tokenize")
   return tokens, from_cache
+
+
+def _cached_max_token(meta: dict, num_tokens: int) -> int:
+  """The scan result of a checked entry; raises ValueError if it is off."""
+  max_token = meta["max_token"]
+  if (meta["num_tokens"] != num_tokens or not isinstance(max_token, int)
+      or not 0 <= max_token < 1 << 16):
+    raise ValueError("the cached scan does not fit the token file")
+  return max_token
 
 
 def _max_token(tokens: np.ndarray) -> int:
