@@ -71,6 +71,14 @@ class Plan:
   dropped: tuple[int, ...]  # replicas with every slot failed
   classes: tuple[ReplicaClass, ...]
   rebalance: str
+  logical_layouts: Any = None  # the model's layouts over one slot: its logical form
+
+  def summary(self) -> dict:
+    """JSON-ready description (stored beside checkpoints): mesh, live slots, degrees."""
+    return {"tp": self.tp, "dp": self.dp, "rebalance": self.rebalance,
+            "replicas": [{"replica": r.replica, "live_slots": list(r.live_slots),
+                          "batch_share": r.batch_share} for r in self.replicas],
+            "dropped": list(self.dropped), "global_batch": self.global_batch}
 
   @property
   def global_batch(self) -> int:
@@ -235,4 +243,5 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
       ReplicaPlan(replica=r, live_slots=slots, batch_share=c.batch_share, class_index=c.index)
       for c in classes for r, slots in zip(c.replicas, c.live_slots))
   return Plan(tp=tp, dp=dp, replicas=tuple(sorted(replicas, key=lambda r: r.replica)),
-              dropped=tuple(dropped), classes=tuple(classes), rebalance=rebalance)
+              dropped=tuple(dropped), classes=tuple(classes), rebalance=rebalance,
+              logical_layouts=make_layouts(1, (), None))

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from ntp_jax.layers.params import sum_shared_grads
 from ntp_jax.mesh import DP, TP, class_mesh
 from ntp_jax.optim import clip_by_logical_norm, logical_norm
+from ntp_jax.placement import InitSource, LogicalSource, place_logical, read_logical
 from ntp_jax.plan import Plan, ReplicaClass
 from ntp_jax.shard import (replica_specs, restack_local, spec_shardings, stack_replicas,
                            unstack_local)
@@ -57,6 +58,15 @@ class ClassProgram:
 def abstract_params(make_model: Callable[[], nnx.Module]) -> nnx.State:
   """Shapes and dtypes of one copy of the parameters, allocating nothing."""
   return nnx.split(nnx.eval_shape(make_model))[1]
+
+
+def abstract_class_state(make_model: Callable[[], nnx.Module], replicas: int,
+                         optimizer: optax.GradientTransformation
+                         ) -> tuple[nnx.GraphDef, dict[str, Any]]:
+  """The graph and the abstract replica-stacked state ``{"params", "opt_state"}`` of a class."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+  params = jax.eval_shape(lambda s: stack_replicas(s, replicas), abstract)
+  return graphdef, {"params": params, "opt_state": jax.eval_shape(optimizer.init, params)}
 
 
 def init_stacked_params(make_model: Callable[[], nnx.Module], mesh: Mesh,
@@ -193,20 +203,46 @@ def _shardings_of(tree: Any) -> Any:
 
 def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
                          optimizer: optax.GradientTransformation, clip_norm: float,
-                         global_tokens: int, devices: Sequence[jax.Device]) -> list[ClassProgram]:
-  """Initialise every class's parameters and optimizer state and compile its step.
+                         global_tokens: int, devices: Sequence[jax.Device], *,
+                         source: LogicalSource | None = None) -> list[ClassProgram]:
+  """Place every class's parameters and optimizer state and compile its step.
 
   Args:
     make_model: ``layouts -> module``; the same seed must give the same
       logical parameters for every layout.
+    source: logical state to start from (``ntp_jax.placement``): a
+      checkpoint, a live replica, ...; default: fresh parameters of the
+      degree-1 model (``InitSource``). Optimizer state the source does not
+      hold starts from ``optimizer.init``.
+
+  Raises:
+    ValueError: the source holds part of the optimizer state only.
   """
+  if source is None:
+    source = InitSource(lambda: make_model(plan.logical_layouts))
   programs = []
   for replica_class in plan.classes:
     mesh = class_mesh(replica_class.replicas, replica_class.live_slots, plan.tp, devices)
-    graphdef, params = init_stacked_params(lambda: make_model(replica_class.layouts), mesh,
-                                           len(replica_class.replicas))
-    opt_state = init_opt_state(optimizer, params, mesh)
-    programs.append(ClassProgram(replica_class, mesh, graphdef, params, opt_state))
+    graphdef, target = abstract_class_state(lambda: make_model(replica_class.layouts),
+                                            len(replica_class.replicas), optimizer)
+    state, filled = place_logical(target, mesh, source)
+    opt_paths = {p for p in filled if p[0] == "opt_state"}
+    if not opt_paths:
+      opt_state = init_opt_state(optimizer, state["params"], mesh)
+    elif len(opt_paths) == len(jax.tree.leaves(target["opt_state"])):
+      opt_state = state["opt_state"]
+    else:
+      raise ValueError(f"optimizer state: the source holds {len(opt_paths)} of "
+                       f"{len(jax.tree.leaves(target['opt_state']))} leaves")
+    programs.append(ClassProgram(replica_class, mesh, graphdef, state["params"], opt_state))
+  compile_steps(plan, programs, optimizer, clip_norm, global_tokens)
+  return programs
+
+
+def compile_steps(plan: Plan, programs: list[ClassProgram],
+                  optimizer: optax.GradientTransformation, clip_norm: float,
+                  global_tokens: int) -> None:
+  """Attach the step functions of every class (fused with one class, split with several)."""
   if len(programs) == 1:
     programs[0].step = make_fused_step(programs[0], optimizer, clip_norm, global_tokens)
   else:
@@ -214,7 +250,15 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
     for program in programs:
       program.grad, program.update = make_split_step(program, optimizer, clip_norm,
                                                      global_tokens, t_min)
-  return programs
+
+
+def logical_state(programs: list[ClassProgram]) -> dict:
+  """The job's state in logical form (``placement.read_logical`` of the first class).
+
+  Every replica holds identical state, so one replica's copy is the job's.
+  """
+  program = programs[0]
+  return read_logical({"params": program.params, "opt_state": program.opt_state}, program.mesh)
 
 
 class JobStep:

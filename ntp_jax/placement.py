@@ -1,0 +1,392 @@
+"""One way to put logical state onto a plan, and to read it back off one.
+
+*Logical state* is the job's training state as a nested dict of arrays with
+real global shapes: no padding, no replica axis, shared units once. A class
+program holds it as padded per-slot blocks, one copy per replica
+(``ntp_jax.shard.replica_specs``). Initialisation, checkpoint restore and
+(later) weight import and live recovery all go the same way: the *target* is
+the class's abstract state (shapes, layouts, shardings); a *source* fills
+logical arrays laid out evenly over some of the class's devices; one program
+per class moves them into the padded blocks, device to device.
+
+The even layout of a split dimension of ``n`` elements on a class of TP
+degree ``t`` uses ``k`` = the largest divisor of ``n`` not above ``t``: slots
+``0..k-1`` of each replica hold ``n / k`` elements each, which is a plain
+``NamedSharding`` that orbax and ``jax.jit`` accept (JAX rejects shardings
+that do not divide). Replicated variables (norm scales) and scalars (step
+counts) are read replicated. Moving between the even layout and a class's
+layout is ``collectives.reshard_uneven``: only the elements that change
+device move, nothing is gathered on one device or one host.
+
+Paths name leaves of ``{"params": ..., "opt_state": ...}``: dict keys,
+attribute names and sequence indices as strings, e.g.
+``("params", "blocks", "0", "attn", "wq", "kernel")`` or
+``("opt_state", "0", "mu", "embed", "embedding")``. A leaf held in an
+``nnx.Variable`` carries a leading replica axis in the class state; a bare
+array (optax step counts) is replicated over the class mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ntp_jax.collectives import reshard_uneven, slot_position, tp_sum
+from ntp_jax.layers.params import TPParam
+from ntp_jax.layout import Layout
+from ntp_jax.mesh import DP, TP
+
+Path = tuple[str, ...]
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _key_name(key: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """How one leaf of a class state maps to its logical array.
+
+  Attributes:
+    path: the leaf's logical path.
+    shape: logical (global, unpadded) shape.
+    dtype: the class state's dtype.
+    layout: the TP split of ``axis`` for a ``TPParam``, else None.
+    axis: the split axis in logical coordinates, or None.
+    stacked: the class state has a leading replica axis (``nnx.Variable``s).
+  """
+
+  path: Path
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  layout: Layout | None = None
+  axis: int | None = None
+  stacked: bool = True
+
+  @property
+  def name(self) -> str:
+    return "/".join(self.path)
+
+  @property
+  def pieces(self) -> int:
+    """``k``: slots holding the even layout of a split leaf (1 if not split)."""
+    if self.layout is None:
+      return 1
+    return even_pieces(self.layout.size, self.layout.degree)
+
+  @property
+  def even_layout(self) -> Layout:
+    """The split axis cut into ``k`` equal runs on slots ``0..k-1`` (in elements)."""
+    k, n = self.pieces, self.layout.size
+    units = (n // k,) * k + (0,) * (self.layout.degree - k)
+    return Layout(tp=self.layout.tp, live_slots=self.layout.live_slots, units=units)
+
+  def even_sharding(self, mesh: Mesh, rows: int | None = None) -> NamedSharding:
+    """Sharding of the logical array on the class mesh's first ``rows`` rows (default all):
+    the split axis over slots ``0..k-1``, replicated over rows; replicated when not split."""
+    devices = mesh.devices[:rows]
+    if self.layout is None:
+      return NamedSharding(Mesh(devices, (DP, TP)), P())
+    spec = [None] * len(self.shape)
+    spec[self.axis] = TP
+    return NamedSharding(Mesh(devices[:, :self.pieces], (DP, TP)), P(*spec))
+
+  def abstract(self, sharding: jax.sharding.Sharding | None = None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
+
+
+def even_pieces(n: int, degree: int) -> int:
+  """The largest divisor of ``n`` that is at most ``degree`` (at least 1)."""
+  return max(k for k in range(1, max(1, min(n, degree)) + 1) if n % k == 0)
+
+
+def owner_layout(layout: Layout) -> Layout:
+  """``layout`` with its shared units owned by the last slot alone (after its own run).
+
+  Shared units are the last units in logical order and every slot's block
+  ends with them; counting them on the last slot makes the split a set of
+  contiguous runs that ``reshard_uneven`` can move. The block is unchanged.
+  """
+  if not layout.shared_units:
+    return layout
+  units = layout.units[:-1] + (layout.units[-1] + layout.shared_units,)
+  return Layout(tp=layout.tp, live_slots=layout.live_slots, units=units,
+                unit_size=layout.unit_size)
+
+
+def leaves_of(state: Any) -> tuple[list[Leaf], Any, list[Any]]:
+  """Logical description of every leaf of a class state.
+
+  Args:
+    state: ``{"params": ..., "opt_state": ...}`` (or any tree) of a class,
+      concrete or abstract, replica-stacked as ``build_class_programs``
+      keeps it.
+
+  Returns:
+    ``(leaves, treedef, nodes)``: one ``Leaf`` per tree leaf, the treedef
+    (``nnx.Variable``s as leaves) and the leaves themselves.
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)
+  leaves = []
+  for key_path, node in flat:
+    path = tuple(_key_name(k) for k in key_path)
+    if isinstance(node, nnx.Variable):
+      value = node.get_value()
+      shape = tuple(value.shape[1:])  # drop the replica axis
+      if isinstance(node, TPParam):
+        shape = list(shape[1:])  # drop the slot axis
+        shape[node.tp_axis] = node.tp_layout.size
+        leaves.append(Leaf(path, tuple(shape), np.dtype(value.dtype), node.tp_layout,
+                           node.tp_axis))
+      else:
+        leaves.append(Leaf(path, shape, np.dtype(value.dtype)))
+    else:
+      leaves.append(Leaf(path, tuple(node.shape), np.dtype(node.dtype), stacked=False))
+  return leaves, treedef, [node for _, node in flat]
+
+
+class LogicalSource(Protocol):
+  """Where logical arrays come from (an initialiser, a checkpoint, a live replica).
+
+  ``read(requests)`` gets, per path, a ``jax.ShapeDtypeStruct`` whose
+  ``sharding`` says on which devices and in which even split the logical
+  array is wanted, and returns those arrays. ``paths()`` says which paths the
+  source can fill; the others are left to the caller.
+  """
+
+  def paths(self) -> set[Path] | None: ...
+
+  def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]: ...
+
+
+def _per_device(array: jax.Array) -> dict[jax.Device, jax.Array]:
+  return {s.device: s.data for s in array.addressable_shards}
+
+
+@functools.lru_cache(maxsize=64)
+def _transfer_program(split: tuple[Leaf, ...], mesh: Mesh, to_blocks: bool) -> Callable[..., Any]:
+  """Jitted ``shard_map`` moving split leaves between the even layout and their layouts.
+
+  Per device, every array is ``[1, 1, *block]`` (``P('dp', 'tp')``). Cached:
+  a plan met again (a repaired replica, a second run) compiles nothing.
+  """
+
+  def body(*blocks):
+    out = []
+    for leaf, x in zip(split, blocks):
+      x = x[0, 0]
+      if to_blocks:  # x: [..., n/k, ...] -> [..., block, ...]
+        layout = leaf.layout
+        y = reshard_uneven(x, leaf.even_layout, owner_layout(layout), leaf.axis)
+        if layout.shared_units:  # every slot holds the shared units: copy the last slot's
+          start = layout.own_block_units * layout.unit_size
+          last = slot_position() == layout.degree - 1
+          shared = jax.lax.slice_in_dim(y, start, layout.block, axis=leaf.axis)
+          shared = tp_sum(jnp.where(last, shared, jnp.zeros((), shared.dtype)))
+          y = jnp.concatenate([jax.lax.slice_in_dim(y, 0, start, axis=leaf.axis), shared],
+                              axis=leaf.axis)
+        y = y.astype(leaf.dtype)
+      else:  # x: [..., block, ...] -> [..., n/k, ...]
+        y = reshard_uneven(x, owner_layout(leaf.layout), leaf.even_layout, leaf.axis)
+      out.append(y[None, None])
+    return tuple(out)
+
+  spec = P(DP, TP)
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(split),
+                               out_specs=(spec,) * len(split)))
+
+
+def _block_shape(leaf: Leaf, length: int) -> tuple[int, ...]:
+  shape = list(leaf.shape)
+  shape[leaf.axis] = length
+  return tuple(shape)
+
+
+def read_logical(state: Any, mesh: Mesh) -> dict[Path, jax.Array]:
+  """Replica 0's copy of a class state as logical arrays, evenly split, device to device.
+
+  Args:
+    state: a class's replica-stacked state (``{"params", "opt_state"}``).
+    mesh: the class's ``('dp', 'tp')`` mesh.
+
+  Returns:
+    ``path -> jax.Array`` of the logical shape. A split leaf is sharded over
+    replica 0's slots ``0..k-1`` (``Leaf.even_sharding(mesh, rows=1)``);
+    other leaves live on replica 0's first device. Every piece is produced
+    where the data lives; nothing passes through the host.
+  """
+  leaves, _, nodes = leaves_of(state)
+  split = [(leaf, node) for leaf, node in zip(leaves, nodes) if leaf.layout is not None]
+  moved = _transfer_program(tuple(leaf for leaf, _ in split), mesh, to_blocks=False)(
+      *(node.get_value() for _, node in split)) if split else ()
+  first = mesh.devices[0, 0]
+  out = {}
+  for leaf, array in zip([leaf for leaf, _ in split], moved):
+    by_device = _per_device(array)
+    sharding = leaf.even_sharding(mesh, rows=1)
+    block = _block_shape(leaf, leaf.layout.size // leaf.pieces)
+    pieces = [by_device[d].reshape(block) for d in mesh.devices[0, :leaf.pieces]]
+    out[leaf.path] = jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)
+  single = NamedSharding(Mesh(np.array([[first]], dtype=object), (DP, TP)), P())
+  for leaf, node in zip(leaves, nodes):
+    if leaf.layout is not None:
+      continue
+    piece = _per_device(node.get_value() if leaf.stacked else node)[first]
+    if leaf.stacked:  # the first device holds replica 0 (and maybe others): take row 0
+      piece = piece[0]
+    out[leaf.path] = jax.make_array_from_single_device_arrays(leaf.shape, single, [piece])
+  return out
+
+
+def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, set[Path]]:
+  """Fill a class's state from a source of logical arrays.
+
+  Args:
+    target: the class's abstract replica-stacked state (``jax.eval_shape``
+      of it; ``nnx.Variable`` metadata carries the layouts).
+    mesh: the class's ``('dp', 'tp')`` mesh (rows = replicas).
+    source: fills the paths it has (see ``LogicalSource``).
+
+  Returns:
+    ``(state, filled)``: the target tree with every leaf the source filled
+    replaced by a device array in the class sharding (blocks ``P('dp',
+    'tp')``, replicated variables ``P('dp')``, scalars ``P()``), and the set
+    of filled paths. Leaves the source does not have stay abstract.
+
+  Each replica's devices read the even pieces they hold (split leaves:
+  slots ``0..k-1``; others: every device), then one program per class moves
+  the pieces into the padded blocks.
+  """
+  leaves, treedef, nodes = leaves_of(target)
+  available = source.paths()
+  wanted = [leaf for leaf in leaves if available is None or leaf.path in available]
+  requests = {leaf.path: leaf.abstract(leaf.even_sharding(mesh)) for leaf in wanted}
+  arrays = source.read(requests) if requests else {}
+  replicas = mesh.devices.shape[0]
+  placed: dict[Path, jax.Array] = {}
+
+  split = [leaf for leaf in wanted if leaf.layout is not None]
+  if split:
+    inputs = []
+    for leaf in split:
+      block = (1, 1) + _block_shape(leaf, leaf.layout.size // leaf.pieces)
+      by_device = _per_device(arrays[leaf.path])
+      pieces = []
+      for row in mesh.devices:
+        for j, device in enumerate(row):
+          if j < leaf.pieces:
+            pieces.append(by_device[device].reshape(block))
+          else:  # slots past k hold none of the even layout
+            pieces.append(jnp.zeros(block, leaf.dtype, device=device))
+      inputs.append(jax.make_array_from_single_device_arrays(
+          (replicas, mesh.devices.shape[1]) + block[2:], NamedSharding(mesh, P(DP, TP)), pieces))
+    for leaf, array in zip(split, _transfer_program(tuple(split), mesh, to_blocks=True)(*inputs)):
+      placed[leaf.path] = array
+  stacked = [leaf for leaf in wanted if leaf.layout is None and leaf.stacked]
+  if stacked:
+    placed.update(zip([leaf.path for leaf in stacked], _stack(
+        [arrays[leaf.path] for leaf in stacked], [leaf.dtype for leaf in stacked], mesh)))
+  for leaf in wanted:
+    if leaf.layout is None and not leaf.stacked:
+      placed[leaf.path] = jax.device_put(arrays[leaf.path].astype(leaf.dtype),
+                                         NamedSharding(mesh, P()))
+
+  out = []
+  for leaf, node in zip(leaves, nodes):
+    if leaf.path not in placed:
+      out.append(node)
+    elif isinstance(node, nnx.Variable):
+      out.append(node.replace(placed[leaf.path]))
+    else:
+      out.append(placed[leaf.path])
+  return jax.tree_util.tree_unflatten(treedef, out), set(placed)
+
+
+def _stack(values: list[jax.Array], dtypes: list[np.dtype], mesh: Mesh) -> list[jax.Array]:
+  """Replicated logical arrays -> ``[replicas, ...]`` copies (``P('dp')``), in one program."""
+  replicas = mesh.devices.shape[0]
+
+  def stack(xs):
+    return [jnp.broadcast_to(x.astype(d)[None], (replicas,) + x.shape) for x, d in zip(xs, dtypes)]
+
+  return jax.jit(stack, out_shardings=[NamedSharding(mesh, P(DP))] * len(values))(values)
+
+
+def nest(flat: dict[Path, Any]) -> dict:
+  """``{("a", "b"): x}`` -> ``{"a": {"b": x}}``."""
+  out: dict = {}
+  for path, value in flat.items():
+    node = out
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return out
+
+
+def flatten(tree: dict) -> dict[Path, Any]:
+  """Inverse of ``nest`` for a nested dict whose leaves are not dicts."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update({(str(key),) + p: v for p, v in flatten(value).items()})
+    else:
+      out[(str(key),)] = value
+  return out
+
+
+class InitSource:
+  """Fresh parameters: the model built at TP degree 1 gives the logical arrays.
+
+  Every layout draws its parameters as logical arrays first
+  (``layers.params.tp_param``), so the degree-1 model of the same seed holds
+  exactly the values any plan starts from. The initialiser runs under
+  ``jax.jit`` with the requested shardings as outputs, once per set of
+  devices; it fills ``params`` only (optimizer state starts from
+  ``optimizer.init``).
+
+  Args:
+    make_logical_model: builds the model over one slot (degree-1 layouts).
+  """
+
+  def __init__(self, make_logical_model: Callable[[], nnx.Module]):
+    self.make_logical_model = make_logical_model
+    abstract = nnx.state(nnx.eval_shape(make_logical_model), nnx.Param)
+    self._paths = {("params",) + tuple(_key_name(k) for k in path)
+                   for path, _ in jax.tree_util.tree_flatten_with_path(
+                       abstract, is_leaf=_is_variable)[0]}
+
+  def paths(self) -> set[Path]:
+    return self._paths
+
+  def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
+    groups: dict[Any, list[Path]] = {}
+    for path, request in requests.items():
+      groups.setdefault(frozenset(request.sharding.device_set), []).append(path)
+    out = {}
+    for paths in groups.values():
+      def logical(paths=paths):
+        state = nnx.state(self.make_logical_model(), nnx.Param)
+        flat = {("params",) + tuple(_key_name(k) for k in path): node
+                for path, node in jax.tree_util.tree_flatten_with_path(
+                    state, is_leaf=_is_variable)[0]}
+        # TPParam blocks of a degree-1 layout are [1, *logical]: drop the slot axis.
+        return {p: flat[p].get_value()[0] if isinstance(flat[p], TPParam)
+                else flat[p].get_value() for p in paths}
+      out.update(jax.jit(logical, out_shardings={p: requests[p].sharding for p in paths})())
+    return out
