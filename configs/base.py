@@ -9,7 +9,7 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.workdir = "runs/default"  # metrics.jsonl, tokenizer and token cache go here
+  c.workdir = "runs/default"  # metrics.jsonl, checkpoints, tokenizer and token cache go here
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 4096  # vocabulary (BPE trained to this size on text corpora)
@@ -48,6 +48,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only)
   c.train.clip_norm = 1.0  # global gradient-norm clip
   c.train.log_every = 10  # progress line every N steps
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 50  # steps between checkpoints (also one at the end and on SIGTERM/SIGINT); 0 = off
+  c.checkpoint.keep = 2  # newest checkpoints kept
+  c.checkpoint.dir = ""  # empty: WORKDIR/checkpoints
+  c.checkpoint.resume = True  # continue from the latest checkpoint in checkpoint.dir, onto this plan
 
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # text file / folder / glob, or uint16 .bin tokens; empty: Python stdlib source

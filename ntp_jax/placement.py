@@ -97,10 +97,10 @@ class Leaf:
     units = (n // k,) * k + (0,) * (self.layout.degree - k)
     return Layout(tp=self.layout.tp, live_slots=self.layout.live_slots, units=units)
 
-  def even_sharding(self, mesh: Mesh, rows: int | None = None) -> NamedSharding:
-    """Sharding of the logical array on the class mesh's first ``rows`` rows (default all):
-    the split axis over slots ``0..k-1``, replicated over rows; replicated when not split."""
-    devices = mesh.devices[:rows]
+  def even_sharding(self, mesh: Mesh) -> NamedSharding:
+    """Sharding of the logical array on a class mesh: the split axis over slots
+    ``0..k-1`` of every replica (replicated over replicas); replicated when not split."""
+    devices = mesh.devices
     if self.layout is None:
       return NamedSharding(Mesh(devices, (DP, TP)), P())
     spec = [None] * len(self.shape)
@@ -187,24 +187,34 @@ def _transfer_program(split: tuple[Leaf, ...], mesh: Mesh, to_blocks: bool) -> C
   a plan met again (a repaired replica, a second run) compiles nothing.
   """
 
+  # Leaves with one layout, axis and shape (a kernel, its two Adam moments, every
+  # layer's copy) move as one stacked array: one schedule, a fraction of the compile.
+  groups: dict[Any, list[int]] = {}
+  for i, leaf in enumerate(split):
+    groups.setdefault((leaf.layout, leaf.axis, leaf.shape), []).append(i)
+
+  def move(x, leaf):  # x: [count, *block of the source layout]; the split axis is 1 + axis
+    axis = 1 + leaf.axis
+    if not to_blocks:  # [..., block, ...] -> [..., n/k, ...]
+      return reshard_uneven(x, owner_layout(leaf.layout), leaf.even_layout, axis)
+    layout = leaf.layout  # [..., n/k, ...] -> [..., block, ...]
+    y = reshard_uneven(x, leaf.even_layout, owner_layout(layout), axis)
+    if layout.shared_units:  # every slot holds the shared units: copy the last slot's
+      start = layout.own_block_units * layout.unit_size
+      last = slot_position() == layout.degree - 1
+      shared = jax.lax.slice_in_dim(y, start, layout.block, axis=axis)
+      shared = tp_sum(jnp.where(last, shared, jnp.zeros((), shared.dtype)))
+      y = jnp.concatenate([jax.lax.slice_in_dim(y, 0, start, axis=axis), shared], axis=axis)
+    return y
+
   def body(*blocks):
-    out = []
-    for leaf, x in zip(split, blocks):
-      x = x[0, 0]
-      if to_blocks:  # x: [..., n/k, ...] -> [..., block, ...]
-        layout = leaf.layout
-        y = reshard_uneven(x, leaf.even_layout, owner_layout(layout), leaf.axis)
-        if layout.shared_units:  # every slot holds the shared units: copy the last slot's
-          start = layout.own_block_units * layout.unit_size
-          last = slot_position() == layout.degree - 1
-          shared = jax.lax.slice_in_dim(y, start, layout.block, axis=leaf.axis)
-          shared = tp_sum(jnp.where(last, shared, jnp.zeros((), shared.dtype)))
-          y = jnp.concatenate([jax.lax.slice_in_dim(y, 0, start, axis=leaf.axis), shared],
-                              axis=leaf.axis)
-        y = y.astype(leaf.dtype)
-      else:  # x: [..., block, ...] -> [..., n/k, ...]
-        y = reshard_uneven(x, owner_layout(leaf.layout), leaf.even_layout, leaf.axis)
-      out.append(y[None, None])
+    out: list[Any] = [None] * len(split)
+    for members in groups.values():
+      leaf = split[members[0]]
+      dtype = jnp.result_type(*(blocks[i].dtype for i in members))
+      moved = move(jnp.stack([blocks[i][0, 0].astype(dtype) for i in members]), leaf)
+      for n, i in enumerate(members):
+        out[i] = moved[n].astype(split[i].dtype if to_blocks else blocks[i].dtype)[None, None]
     return tuple(out)
 
   spec = P(DP, TP)
@@ -218,38 +228,43 @@ def _block_shape(leaf: Leaf, length: int) -> tuple[int, ...]:
   return tuple(shape)
 
 
-def read_logical(state: Any, mesh: Mesh) -> dict[Path, jax.Array]:
-  """Replica 0's copy of a class state as logical arrays, evenly split, device to device.
+def read_logical(state: Any, mesh: Mesh, replica: int = 0) -> dict[Path, jax.Array]:
+  """One replica's copy of a class state as logical arrays, evenly split, device to device.
 
   Args:
     state: a class's replica-stacked state (``{"params", "opt_state"}``).
     mesh: the class's ``('dp', 'tp')`` mesh.
+    replica: row of the class mesh (position in the class, not the DP index).
 
   Returns:
     ``path -> jax.Array`` of the logical shape. A split leaf is sharded over
-    replica 0's slots ``0..k-1`` (``Leaf.even_sharding(mesh, rows=1)``);
-    other leaves live on replica 0's first device. Every piece is produced
-    where the data lives; nothing passes through the host.
+    the replica's slots ``0..k-1``; other leaves live on its first device.
+    Every piece is produced where the data lives; nothing passes through the
+    host.
   """
   leaves, _, nodes = leaves_of(state)
   split = [(leaf, node) for leaf, node in zip(leaves, nodes) if leaf.layout is not None]
   moved = _transfer_program(tuple(leaf for leaf, _ in split), mesh, to_blocks=False)(
       *(node.get_value() for _, node in split)) if split else ()
-  first = mesh.devices[0, 0]
+  row = mesh.devices[replica]
+  first = row[0]
   out = {}
   for leaf, array in zip([leaf for leaf, _ in split], moved):
     by_device = _per_device(array)
-    sharding = leaf.even_sharding(mesh, rows=1)
+    spec = [None] * len(leaf.shape)
+    spec[leaf.axis] = TP
+    sharding = NamedSharding(Mesh(row[None, :leaf.pieces], (DP, TP)), P(*spec))
     block = _block_shape(leaf, leaf.layout.size // leaf.pieces)
-    pieces = [by_device[d].reshape(block) for d in mesh.devices[0, :leaf.pieces]]
+    pieces = [by_device[d].reshape(block) for d in row[:leaf.pieces]]
     out[leaf.path] = jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)
   single = NamedSharding(Mesh(np.array([[first]], dtype=object), (DP, TP)), P())
   for leaf, node in zip(leaves, nodes):
     if leaf.layout is not None:
       continue
-    piece = _per_device(node.get_value() if leaf.stacked else node)[first]
-    if leaf.stacked:  # the first device holds replica 0 (and maybe others): take row 0
-      piece = piece[0]
+    shard = [s for s in (node.get_value() if leaf.stacked else node).addressable_shards
+             if s.device == first][0]
+    # A copy: the step donates the state's buffers, the caller may keep these.
+    piece = shard.data[replica - (shard.index[0].start or 0)] if leaf.stacked else shard.data + 0
     out[leaf.path] = jax.make_array_from_single_device_arrays(leaf.shape, single, [piece])
   return out
 
@@ -348,6 +363,23 @@ def flatten(tree: dict) -> dict[Path, Any]:
     else:
       out[(str(key),)] = value
   return out
+
+
+class ArraySource:
+  """Logical arrays held by the host (numpy), e.g. imported weights or test data.
+
+  ``device_put`` sends each device only its piece of the requested sharding.
+  """
+
+  def __init__(self, arrays: dict[Path, Any]):
+    self.arrays = arrays
+
+  def paths(self) -> set[Path]:
+    return set(self.arrays)
+
+  def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
+    return {p: jax.device_put(np.asarray(self.arrays[p], r.dtype), r.sharding)
+            for p, r in requests.items()}
 
 
 class InitSource:

@@ -1,0 +1,224 @@
+"""Checkpoints in logical form with orbax: asynchronous saves, restore onto any plan.
+
+A checkpoint of step ``N`` (the state after ``N`` optimizer steps) is an
+orbax ``CheckpointManager`` step folder with two items:
+
+- ``state``: the logical state (``ntp_jax.placement``): ``params`` and
+  ``opt_state`` as arrays of real global shapes, one copy, no padding, no
+  replica axis, shared units once; written by orbax's standard handler
+  (tensorstore / zarr), so plain orbax reads it with any device count.
+- ``meta``: JSON with the format version, ``step``, ``data_cursor``
+  (sequences consumed), the ``plan`` it was written under and the ``config``.
+
+Each logical array is laid out evenly over some devices of the first class
+before it is written (``placement.read_logical``): every device writes the
+pieces it holds, no host gathers the model. Restore goes through
+``placement.place_logical``: the new plan's abstract state is the target,
+each device reads the even pieces it needs. orbax writes a step into a
+temporary folder and renames it when complete, so a step whose save did not
+finish is never listed (``latest_step``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from ntp_jax.errors import ConfigError
+from ntp_jax.placement import Path, flatten, nest
+
+FORMAT_VERSION = 1
+STATE = "state"
+META = "meta"
+
+
+class CheckpointError(ConfigError):
+  """A checkpoint that cannot be used; one line naming the path or the parameter."""
+
+
+def _one_line(err: BaseException) -> str:
+  text = " ".join(str(err).split())
+  return f"{type(err).__name__}: {text[:300]}"
+
+
+class Checkpoints:
+  """The checkpoints of a run in one folder (``checkpoint.dir``).
+
+  Args:
+    directory: the folder (created if missing).
+    keep: how many of the newest checkpoints to keep (``checkpoint.keep``).
+    asynchronous: write in a background thread after the device-to-host copy.
+
+  Raises:
+    CheckpointError: the folder cannot be created or read, naming it.
+  """
+
+  def __init__(self, directory: str, *, keep: int = 2, asynchronous: bool = True):
+    if keep < 1:
+      raise ConfigError(f"checkpoint.keep: must be >= 1, got {keep}")
+    self.directory = os.path.abspath(directory)
+    if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+      raise CheckpointError(f"checkpoint.dir: {self.directory} is not a folder")
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      os.listdir(self.directory)
+    except OSError as err:
+      raise CheckpointError(f"checkpoint.dir: cannot use {self.directory} "
+                            f"({err.strerror})") from None
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=asynchronous,
+                                           cleanup_tmp_directories=True)
+    try:
+      self._manager = ocp.CheckpointManager(
+          self.directory, options=options,
+          item_handlers={STATE: ocp.StandardCheckpointHandler(),
+                         META: ocp.JsonCheckpointHandler()})
+    except Exception as err:  # orbax wraps OS errors in several types
+      raise CheckpointError(f"checkpoint.dir: cannot open {self.directory} "
+                            f"({_one_line(err)})") from None
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def latest_step(self) -> int | None:
+    """The newest complete step, or None. Incomplete saves are never listed."""
+    self._manager.reload()
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    self._manager.reload()
+    return sorted(self._manager.all_steps())
+
+  def save(self, step: int, logical: dict[Path, jax.Array], meta: dict[str, Any]) -> float:
+    """Start writing a checkpoint of ``step``; returns the seconds the caller was held.
+
+    Args:
+      step: optimizer steps done.
+      logical: ``path -> array`` (``placement.read_logical``).
+      meta: JSON-ready dict (``data_cursor``, ``plan``, ``config``, ...).
+
+    The call returns once the arrays are copied off the devices; the write
+    goes on in the background. An earlier save that failed is raised here.
+
+    Raises:
+      CheckpointError: a save failed (this one or an earlier one).
+    """
+    start = time.perf_counter()
+    meta = {"format": FORMAT_VERSION, "step": int(step), **meta}
+    try:
+      self._manager.check_for_errors()
+      self._manager.save(step, args=ocp.args.Composite(
+          **{STATE: ocp.args.StandardSave(nest(logical)), META: ocp.args.JsonSave(meta)}),
+          force=True)
+    except Exception as err:
+      raise CheckpointError(f"checkpoint.dir: saving step {step} to {self.step_dir(step)} "
+                            f"failed ({_one_line(err)})") from None
+    return time.perf_counter() - start
+
+  def wait(self) -> None:
+    """Block until every started save is on disk.
+
+    Raises:
+      CheckpointError: a save failed.
+    """
+    try:
+      self._manager.wait_until_finished()
+      self._manager.check_for_errors()
+    except Exception as err:
+      raise CheckpointError(f"checkpoint.dir: a save to {self.directory} failed "
+                            f"({_one_line(err)})") from None
+
+  def close(self) -> None:
+    self.wait()
+    self._manager.close()
+
+  def meta(self, step: int) -> dict[str, Any]:
+    """The ``meta`` item of ``step``.
+
+    Raises:
+      CheckpointError: missing or unreadable, naming the folder.
+    """
+    try:
+      meta = self._manager.restore(step, args=ocp.args.Composite(
+          **{META: ocp.args.JsonRestore()}))[META]
+    except Exception as err:
+      raise CheckpointError(f"checkpoint {self.step_dir(step)}: cannot read its metadata "
+                            f"({_one_line(err)})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+      raise CheckpointError(f"checkpoint {self.step_dir(step)}: not an ntp_jax checkpoint of "
+                            f"format {FORMAT_VERSION}")
+    return meta
+
+  def shapes(self, step: int) -> dict[Path, tuple[tuple[int, ...], str]]:
+    """``path -> (shape, dtype)`` of every stored logical array, read from metadata only.
+
+    Raises:
+      CheckpointError: unreadable metadata, naming the folder.
+    """
+    try:
+      tree = self._manager.item_metadata(step)[STATE]
+      leaves = flatten(dict(tree))
+      return {path: (tuple(m.shape), str(m.dtype)) for path, m in leaves.items()}
+    except Exception as err:
+      raise CheckpointError(f"checkpoint {self.step_dir(step)}: cannot read its array "
+                            f"metadata ({_one_line(err)})") from None
+
+  def source(self, step: int) -> CheckpointSource:
+    """A ``placement.LogicalSource`` reading ``step``."""
+    return CheckpointSource(self, step)
+
+  def restore(self, step: int, requests: dict[Path, jax.ShapeDtypeStruct]
+              ) -> dict[Path, jax.Array]:
+    """Read ``requests`` (each with its target sharding) from ``step``.
+
+    Raises:
+      CheckpointError: a file is missing, truncated or corrupt, naming the folder.
+    """
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          **{STATE: ocp.args.StandardRestore(nest(requests))}))[STATE]
+    except Exception as err:
+      raise CheckpointError(f"checkpoint {self.step_dir(step)}: cannot be restored "
+                            f"({_one_line(err)})") from None
+    return flatten(dict(restored))
+
+
+class CheckpointSource:
+  """Logical arrays of one checkpoint step (a ``placement.LogicalSource``).
+
+  Before reading anything it checks that the stored arrays are exactly the
+  requested ones with the same logical shapes.
+  """
+
+  def __init__(self, checkpoints: Checkpoints, step: int):
+    self.checkpoints = checkpoints
+    self.step = step
+    self._shapes = checkpoints.shapes(step)
+
+  def paths(self) -> None:
+    return None  # every leaf of the target must come from the checkpoint
+
+  def check(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> None:
+    """Raises CheckpointError naming the first parameter that differs, with both shapes."""
+    where = self.checkpoints.step_dir(self.step)
+    # Parameters first: the first difference named is a parameter where there is one.
+    for path in sorted(set(requests) | set(self._shapes), key=lambda p: (p[0] != "params", p)):
+      name = "/".join(path)
+      if path not in self._shapes:
+        raise CheckpointError(f"checkpoint {where}: has no {name} (the model has "
+                              f"{tuple(requests[path].shape)}); it was written for another "
+                              "model or optimizer")
+      if path not in requests:
+        raise CheckpointError(f"checkpoint {where}: holds {name} {self._shapes[path][0]}, "
+                              "which the model does not have; it was written for another model")
+      if tuple(requests[path].shape) != self._shapes[path][0]:
+        raise CheckpointError(f"checkpoint {where}: {name} has shape {self._shapes[path][0]}, "
+                              f"the model expects {tuple(requests[path].shape)}")
+
+  def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
+    self.check(requests)
+    return self.checkpoints.restore(self.step, requests)

@@ -1,0 +1,44 @@
+"""Stop requests from SIGTERM (preemption) and SIGINT (Ctrl-C), taken between steps.
+
+The first signal only sets a flag: the trainer finishes the step in flight,
+writes a checkpoint and exits cleanly, so ``metrics.jsonl`` and the
+checkpoints are never left half written. A second SIGINT raises
+``KeyboardInterrupt`` at once (for a user who does not want to wait for a
+long compilation); the trainer then stops without saving the step in flight.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+
+class StopSignals:
+  """Context manager that records SIGTERM / SIGINT instead of dying on them.
+
+  Outside the main thread (where Python cannot install handlers) it does
+  nothing and the default behaviour stays.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.received: str | None = None
+    self._previous: dict[int, object] = {}
+
+  def _handle(self, signum: int, frame: FrameType | None) -> None:
+    if self.received is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.received = signal.Signals(signum).name
+
+  def __enter__(self) -> StopSignals:
+    if threading.current_thread() is threading.main_thread():
+      for sig in self.SIGNALS:
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous.clear()
