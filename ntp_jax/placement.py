@@ -46,6 +46,7 @@ from ntp_jax.layout import Layout
 from ntp_jax.mesh import DP, TP
 
 Path = tuple[str, ...]
+GROUP_BYTES = 256 * 2**20  # per device: leaves moved together in one stacked array
 
 
 def _is_variable(x: Any) -> bool:
@@ -82,6 +83,10 @@ class Leaf:
   @property
   def name(self) -> str:
     return "/".join(self.path)
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape)) * self.dtype.itemsize
 
   @property
   def pieces(self) -> int:
@@ -189,9 +194,16 @@ def _transfer_program(split: tuple[Leaf, ...], mesh: Mesh, to_blocks: bool) -> C
 
   # Leaves with one layout, axis and shape (a kernel, its two Adam moments, every
   # layer's copy) move as one stacked array: one schedule, a fraction of the compile.
-  groups: dict[Any, list[int]] = {}
+  # A group is capped at GROUP_BYTES per device, which bounds the temporaries of the move.
+  groups: list[list[int]] = []
+  open_groups: dict[Any, list[int]] = {}
   for i, leaf in enumerate(split):
-    groups.setdefault((leaf.layout, leaf.axis, leaf.shape), []).append(i)
+    key = (leaf.layout, leaf.axis, leaf.shape)
+    members = open_groups.get(key)
+    if members is None or (len(members) + 1) * leaf.nbytes // leaf.pieces > GROUP_BYTES:
+      members = open_groups[key] = []
+      groups.append(members)
+    members.append(i)
 
   def move(x, leaf):  # x: [count, *block of the source layout]; the split axis is 1 + axis
     axis = 1 + leaf.axis
@@ -209,7 +221,7 @@ def _transfer_program(split: tuple[Leaf, ...], mesh: Mesh, to_blocks: bool) -> C
 
   def body(*blocks):
     out: list[Any] = [None] * len(split)
-    for members in groups.values():
+    for members in groups:
       leaf = split[members[0]]
       dtype = jnp.result_type(*(blocks[i].dtype for i in members))
       moved = move(jnp.stack([blocks[i][0, 0].astype(dtype) for i in members]), leaf)
@@ -378,6 +390,11 @@ class ArraySource:
     return set(self.arrays)
 
   def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
+    """Raises ValueError naming the first array whose shape differs from the request."""
+    for path, request in requests.items():
+      shape = tuple(np.shape(self.arrays[path]))
+      if shape != tuple(request.shape):
+        raise ValueError(f"{'/'.join(path)}: shape {shape}, expected {tuple(request.shape)}")
     return {p: jax.device_put(np.asarray(self.arrays[p], r.dtype), r.sharding)
             for p, r in requests.items()}
 

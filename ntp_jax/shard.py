@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.blocks import from_blocks, to_blocks
+from ntp_jax.blocks import from_blocks
 from ntp_jax.layers.params import TPParam
 from ntp_jax.mesh import DP, TP
 
@@ -71,40 +71,16 @@ def spec_shardings(specs: Any, mesh: Mesh) -> Any:
 
 
 def to_logical(state: nnx.State) -> dict:
-  """Nested dict of logical arrays: blocks of each ``TPParam`` joined, padding dropped."""
+  """Nested dict of logical arrays: blocks of each ``TPParam`` joined, padding dropped.
+
+  Gathers every array where ``state`` lives: for tests and small models. The
+  scalable paths (no array gathered on one device) are in ``ntp_jax.placement``.
+  """
   def logical(v):
     if isinstance(v, TPParam):
       return from_blocks(v.get_value(), v.tp_layout, v.tp_axis)
     return v.get_value()
   return nnx.to_pure_dict(jax.tree.map(logical, state, is_leaf=_is_variable))
-
-
-def from_logical(state: nnx.State, logical: dict) -> nnx.State:
-  """``state`` with values replaced from a nested dict of logical arrays.
-
-  Raises:
-    ValueError: naming the parameter, when its logical array is missing or
-      has another shape.
-  """
-  flat_logical = dict(nnx.traversals.flatten_mapping(logical))
-
-  def fill(path, v):
-    key = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
-    name = "/".join(map(str, key))
-    if key not in flat_logical:
-      raise ValueError(f"parameter {name}: missing from the logical arrays")
-    value = jnp.asarray(flat_logical[key])
-    stored = v.get_value()
-    expected = list(stored.shape)
-    if isinstance(v, TPParam):
-      expected = expected[1:]
-      expected[v.tp_axis] = v.tp_layout.size
-    if tuple(value.shape) != tuple(expected):
-      raise ValueError(f"parameter {name}: shape {tuple(value.shape)}, expected {tuple(expected)}")
-    if isinstance(v, TPParam):
-      value = to_blocks(value, v.tp_layout, v.tp_axis)
-    return v.replace(value.astype(stored.dtype))
-  return jax.tree_util.tree_map_with_path(fill, state, is_leaf=_is_variable)
 
 
 def tp_function(graphdef: nnx.GraphDef, state: nnx.State, fn: Callable[..., Any], mesh: Mesh,

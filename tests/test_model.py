@@ -51,20 +51,26 @@ def test_same_seed_gives_same_logical_parameters_for_every_layout():
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-def test_logical_round_trip_through_blocks_with_shared_units():
-  from ntp_jax.shard import from_logical
+def test_logical_arrays_placed_into_blocks_with_shared_units():
+  import optax
+  from ntp_jax.placement import ArraySource, flatten
+  from ntp_jax.replica_class import abstract_class_state
+  from ntp_jax.placement import place_logical
   layouts = model_layouts(CFG, 8, (3,))  # 8 KV heads on 7 slots: 1 each + 1 shared
   assert layouts.heads.shared_units == 1
   state = nnx.state(GPT(CFG, layouts, rngs=nnx.Rngs(5)))
-  logical = to_logical(state)
-  other = nnx.state(GPT(CFG, layouts, rngs=nnx.Rngs(6)))
-  restored = from_logical(other, logical)
-  jax.tree.map(np.testing.assert_array_equal, jax.tree.leaves(restored), jax.tree.leaves(state))
-  bad = jax.tree.map(lambda x: x, logical)
-  bad["embed"]["embedding"] = bad["embed"]["embedding"][:-1]
-  with pytest.raises(ValueError, match=r"parameter embed/embedding: shape \(36, 16\), "
+  logical = {("params",) + p: v for p, v in flatten(to_logical(state)).items()}
+  mesh = class_mesh([0], [layouts.heads.live_slots], 8)
+  _, target = abstract_class_state(lambda: GPT(CFG, layouts, rngs=nnx.Rngs(6)), 1, optax.sgd(1.0))
+  placed, filled = place_logical({"params": target["params"]}, mesh, ArraySource(logical))
+  assert filled == set(logical)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[0], b),
+               jax.tree.leaves(placed["params"]), jax.tree.leaves(state))
+  bad = dict(logical)
+  bad[("params", "embed", "embedding")] = logical[("params", "embed", "embedding")][:-1]
+  with pytest.raises(ValueError, match=r"params/embed/embedding: shape \(36, 16\), "
                                        r"expected \(37, 16\)"):
-    from_logical(other, bad)
+    place_logical({"params": target["params"]}, mesh, ArraySource(bad))
 
 
 def test_gpt_8b_shapes_and_parameter_count_without_allocating():

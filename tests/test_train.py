@@ -1,6 +1,5 @@
 """End-to-end training: parity across TP layouts, metrics, and bad input from the CLI."""
 
-import json
 import os
 import subprocess
 import sys
@@ -103,8 +102,7 @@ def test_default_tiny_run_lowers_the_loss(tmp_path):
   """The README's main command, as is (default steps and corpus), on simulated devices."""
   result = _cli(f"--config.workdir={tmp_path}", "--config.ntp.failed=3")
   assert result.returncode == 0, result.stderr[-3000:]
-  with open(tmp_path / "metrics.jsonl") as f:
-    losses = [json.loads(line)["loss"] for line in f]
+  losses = [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")]
   assert len(losses) == configs.gpt_tiny.get_config().train.steps
   assert np.mean(losses[-10:]) < np.mean(losses[:5]) - 1.5, (losses[:5], losses[-10:])
   assert "TP degree 7" in result.stdout
