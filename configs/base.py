@@ -34,6 +34,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.ntp.failed = ""  # failed slots: "3", "3,5" (replica 0) or replica:slot pairs "0:2,1:5"
   c.ntp.slot_weights = ""  # per-slot relative speeds, "1,1,0.5,..." (empty: equal)
   c.ntp.rebalance = "proportional"  # batch shares: proportional (~ TP degree) or equal
+  c.ntp.fail_at = ""  # failures while training: "STEP@REPLICA:SLOT", "20.mid@0:3" inside the step
+  c.ntp.repair_at = ""  # repairs while training: "STEP@REPLICA:SLOT"
+  c.ntp.recovery = "live"  # live (state from DP peers) or restart (last checkpoint)
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 200  # optimizer steps
@@ -48,6 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only)
   c.train.clip_norm = 1.0  # global gradient-norm clip
   c.train.log_every = 10  # progress line every N steps
+  c.train.plot = True  # WORKDIR/goodput.png (loss, tokens/s, events) at the end
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50  # steps between checkpoints (also one at the end and on SIGTERM/SIGINT); 0 = off

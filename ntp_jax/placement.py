@@ -79,6 +79,7 @@ class Leaf:
   layout: Layout | None = None
   axis: int | None = None
   stacked: bool = True
+  k: int | None = None  # pieces of the even layout; default: ``even_pieces(n, degree)``
 
   @property
   def name(self) -> str:
@@ -93,7 +94,7 @@ class Leaf:
     """``k``: slots holding the even layout of a split leaf (1 if not split)."""
     if self.layout is None:
       return 1
-    return even_pieces(self.layout.size, self.layout.degree)
+    return self.k or even_pieces(self.layout.size, self.layout.degree)
 
   @property
   def even_layout(self) -> Layout:
@@ -111,6 +112,22 @@ class Leaf:
     spec = [None] * len(self.shape)
     spec[self.axis] = TP
     return NamedSharding(Mesh(devices[:, :self.pieces], (DP, TP)), P(*spec))
+
+  @property
+  def piece_shape(self) -> tuple[int, ...]:
+    """Shape of one piece of the even layout (the whole array when not split)."""
+    if self.layout is None:
+      return self.shape
+    return _block_shape(self, self.layout.size // self.pieces)
+
+  def piece_sharding(self, devices) -> NamedSharding:
+    """The even layout on ``devices`` (one per piece; one device when not split)."""
+    row = np.array([list(devices)], dtype=object)
+    if self.layout is None:
+      return NamedSharding(Mesh(row, (DP, TP)), P())
+    spec = [None] * len(self.shape)
+    spec[self.axis] = TP
+    return NamedSharding(Mesh(row, (DP, TP)), P(*spec))
 
   def abstract(self, sharding: jax.sharding.Sharding | None = None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
@@ -240,6 +257,29 @@ def _block_shape(leaf: Leaf, length: int) -> tuple[int, ...]:
   return tuple(shape)
 
 
+def even_pieces_of(state: Any, mesh: Mesh, pieces: dict[Path, int] | None = None
+                   ) -> tuple[list[Leaf], list[Any], dict[Path, jax.Array]]:
+  """Every replica's split leaves moved to their even layouts, on the class's devices.
+
+  Args:
+    state: a class's replica-stacked state. mesh: its ``('dp', 'tp')`` mesh.
+    pieces: ``path -> k`` to use instead of the default even split.
+
+  Returns:
+    ``(leaves, nodes, moved)``: the state's leaves (with ``k`` set) and
+    nodes, and for each split leaf a ``[replicas, degree, *piece]`` array
+    (``P('dp', 'tp')``) whose ``(r, j)`` block is replica ``r``'s piece ``j``
+    (``j < k``; zeros beyond).
+  """
+  leaves, _, nodes = leaves_of(state)
+  pieces = pieces or {}
+  leaves = [dataclasses.replace(leaf, k=pieces.get(leaf.path)) for leaf in leaves]
+  split = [(leaf, node) for leaf, node in zip(leaves, nodes) if leaf.layout is not None]
+  moved = _transfer_program(tuple(leaf for leaf, _ in split), mesh, to_blocks=False)(
+      *(node.get_value() for _, node in split)) if split else ()
+  return leaves, nodes, {leaf.path: array for (leaf, _), array in zip(split, moved)}
+
+
 def read_logical(state: Any, mesh: Mesh, replica: int = 0) -> dict[Path, jax.Array]:
   """One replica's copy of a class state as logical arrays, evenly split, device to device.
 
@@ -254,31 +294,30 @@ def read_logical(state: Any, mesh: Mesh, replica: int = 0) -> dict[Path, jax.Arr
     Every piece is produced where the data lives; nothing passes through the
     host.
   """
-  leaves, _, nodes = leaves_of(state)
-  split = [(leaf, node) for leaf, node in zip(leaves, nodes) if leaf.layout is not None]
-  moved = _transfer_program(tuple(leaf for leaf, _ in split), mesh, to_blocks=False)(
-      *(node.get_value() for _, node in split)) if split else ()
+  leaves, nodes, moved = even_pieces_of(state, mesh)
   row = mesh.devices[replica]
-  first = row[0]
   out = {}
-  for leaf, array in zip([leaf for leaf, _ in split], moved):
-    by_device = _per_device(array)
-    spec = [None] * len(leaf.shape)
-    spec[leaf.axis] = TP
-    sharding = NamedSharding(Mesh(row[None, :leaf.pieces], (DP, TP)), P(*spec))
-    block = _block_shape(leaf, leaf.layout.size // leaf.pieces)
-    pieces = [by_device[d].reshape(block) for d in row[:leaf.pieces]]
-    out[leaf.path] = jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)
-  single = NamedSharding(Mesh(np.array([[first]], dtype=object), (DP, TP)), P())
   for leaf, node in zip(leaves, nodes):
     if leaf.layout is not None:
-      continue
-    shard = [s for s in (node.get_value() if leaf.stacked else node).addressable_shards
-             if s.device == first][0]
-    # A copy: the step donates the state's buffers, the caller may keep these.
-    piece = shard.data[replica - (shard.index[0].start or 0)] if leaf.stacked else shard.data + 0
-    out[leaf.path] = jax.make_array_from_single_device_arrays(leaf.shape, single, [piece])
+      by_device = _per_device(moved[leaf.path])
+      pieces = [by_device[d].reshape(leaf.piece_shape) for d in row[:leaf.pieces]]
+      out[leaf.path] = jax.make_array_from_single_device_arrays(
+          leaf.shape, leaf.piece_sharding(row[:leaf.pieces]), pieces)
+    else:
+      piece = copy_of_replica(node, leaf, row[0], replica)
+      out[leaf.path] = jax.make_array_from_single_device_arrays(
+          leaf.shape, leaf.piece_sharding(row[:1]), [piece])
   return out
+
+
+def copy_of_replica(node: Any, leaf: Leaf, device: jax.Device, replica: int) -> jax.Array:
+  """A copy of replica ``replica``'s value of an unsplit leaf, from its buffer on ``device``.
+
+  A copy: the step donates the state's buffers, the caller may keep this one.
+  """
+  value = node.get_value() if leaf.stacked else node
+  shard = [s for s in value.addressable_shards if s.device == device][0]
+  return shard.data[replica - (shard.index[0].start or 0)] if leaf.stacked else shard.data + 0
 
 
 def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, set[Path]]:
@@ -302,6 +341,10 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
   """
   leaves, treedef, nodes = leaves_of(target)
   available = source.paths()
+  choose = getattr(source, "pieces", None)  # a source may pick each leaf's even split
+  if choose is not None:
+    leaves = [dataclasses.replace(leaf, k=choose(leaf)) if leaf.layout is not None else leaf
+              for leaf in leaves]
   wanted = [leaf for leaf in leaves if available is None or leaf.path in available]
   requests = {leaf.path: leaf.abstract(leaf.even_sharding(mesh)) for leaf in wanted}
   arrays = source.read(requests) if requests else {}
@@ -312,7 +355,7 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
   if split:
     inputs = []
     for leaf in split:
-      block = (1, 1) + _block_shape(leaf, leaf.layout.size // leaf.pieces)
+      block = (1, 1) + leaf.piece_shape
       by_device = _per_device(arrays[leaf.path])
       pieces = []
       for row in mesh.devices:

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.layers.params import sum_shared_grads
+from ntp_jax.layers.params import TPParam, sum_shared_grads
 from ntp_jax.mesh import DP, TP, class_mesh
 from ntp_jax.optim import clip_by_logical_norm, logical_norm
 from ntp_jax.placement import InitSource, LogicalSource, place_logical, read_logical
@@ -45,6 +45,7 @@ class ClassProgram:
   step: Callable[..., Any] | None = None  # single class: fused grad + all-reduce + update
   grad: Callable[..., Any] | None = None  # several classes: (params, batch) -> (loss, sync blocks)
   update: Callable[..., Any] | None = None  # several classes: (params, opt, blocks) -> ...
+  grads_only: Callable[..., Any] | None = None  # single class: (params, batch) -> (loss, grads)
 
   @property
   def replicas(self) -> int:
@@ -79,19 +80,25 @@ def init_stacked_params(make_model: Callable[[], nnx.Module], mesh: Mesh,
   return graphdef, params
 
 
-def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State, mesh: Mesh):
-  """Optimizer state on the class mesh: moments follow their parameter's sharding,
-  scalars (step counts) are replicated over the mesh.
+def class_shardings(tree: Any, mesh: Mesh) -> Any:
+  """Sharding of every leaf of a class state: ``P('dp', 'tp')`` for ``TPParam`` blocks,
+  ``P('dp')`` for other variables (replica-stacked), ``P()`` for bare arrays (step counts).
 
-  Scalars made by ``optimizer.init`` carry no mesh sharding; the step returns
-  them replicated on the mesh, and that difference alone would make the first
-  step compile twice. Placing them on the mesh up front avoids it.
+  Initialisation, placement and the step all use these, so a state made any
+  way meets the same compiled step.
   """
-  state = jax.jit(optimizer.init)(params)
-  replicated = NamedSharding(mesh, P())
-  return jax.tree.map(
-      lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-      else jax.device_put(x, replicated), state)
+  def sharding(x):
+    if isinstance(x, nnx.Variable):
+      return x.replace(NamedSharding(mesh, P(DP, TP) if isinstance(x, TPParam) else P(DP)))
+    return NamedSharding(mesh, P())
+  return jax.tree.map(sharding, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State, mesh: Mesh):
+  """Optimizer state on the class mesh, in ``class_shardings`` (moments follow their
+  parameter, step counts replicated)."""
+  abstract = jax.eval_shape(optimizer.init, params)
+  return jax.jit(optimizer.init, out_shardings=class_shardings(abstract, mesh))(params)
 
 
 def _local_grads(graphdef, params_local, batch, global_tokens):
@@ -201,10 +208,40 @@ def _shardings_of(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.sharding, tree)
 
 
+class ProgramCache:
+  """Step functions of class programs by layout and devices, and cross-class syncs.
+
+  A plan met again (a repaired replica back at its old layout, a second
+  failure that gives a layout seen before) reuses the jitted functions, whose
+  executables JAX keeps: it compiles nothing. ``events`` records each lookup
+  as ``(description, hit)``.
+  """
+
+  def __init__(self):
+    self._entries: dict[Any, Any] = {}
+    self.events: list[tuple[str, bool]] = []
+
+  def get(self, key: Any, what: str, make: Callable[[], Any]) -> Any:
+    hit = key in self._entries
+    if not hit:
+      self._entries[key] = make()
+    self.events.append((what, hit))
+    return self._entries[key]
+
+  @property
+  def hits(self) -> int:
+    return sum(hit for _, hit in self.events)
+
+  @property
+  def misses(self) -> int:
+    return sum(not hit for _, hit in self.events)
+
+
 def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
                          optimizer: optax.GradientTransformation, clip_norm: float,
                          global_tokens: int, devices: Sequence[jax.Device], *,
-                         source: LogicalSource | None = None) -> list[ClassProgram]:
+                         source: LogicalSource | None = None,
+                         cache: ProgramCache | None = None) -> list[ClassProgram]:
   """Place every class's parameters and optimizer state and compile its step.
 
   Args:
@@ -214,6 +251,7 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
       checkpoint, a live replica, ...; default: fresh parameters of the
       degree-1 model (``InitSource``). Optimizer state the source does not
       hold starts from ``optimizer.init``.
+    cache: reuse step functions compiled for an equal class before.
 
   Raises:
     ValueError: the source holds part of the optimizer state only.
@@ -235,21 +273,26 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
       raise ValueError(f"optimizer state: the source holds {len(opt_paths)} of "
                        f"{len(jax.tree.leaves(target['opt_state']))} leaves")
     programs.append(ClassProgram(replica_class, mesh, graphdef, state["params"], opt_state))
-  compile_steps(plan, programs, optimizer, clip_norm, global_tokens)
+  attach_steps(plan, programs, optimizer, clip_norm, global_tokens, cache or ProgramCache())
   return programs
 
 
-def compile_steps(plan: Plan, programs: list[ClassProgram],
-                  optimizer: optax.GradientTransformation, clip_norm: float,
-                  global_tokens: int) -> None:
+def attach_steps(plan: Plan, programs: list[ClassProgram],
+                 optimizer: optax.GradientTransformation, clip_norm: float,
+                 global_tokens: int, cache: ProgramCache) -> None:
   """Attach the step functions of every class (fused with one class, split with several)."""
-  if len(programs) == 1:
-    programs[0].step = make_fused_step(programs[0], optimizer, clip_norm, global_tokens)
-  else:
-    t_min = min(c.degree for c in plan.classes)
-    for program in programs:
-      program.grad, program.update = make_split_step(program, optimizer, clip_norm,
-                                                     global_tokens, t_min)
+  t_min = min(c.degree for c in plan.classes)
+  for program in programs:
+    c = program.replica_class
+    fused = len(programs) == 1
+    key = (program.mesh, c.layouts, fused, t_min, global_tokens, id(optimizer), clip_norm)
+    what = f"class program (TP degree {c.degree}, replicas {list(c.replicas)})"
+    if fused:
+      program.step = cache.get(key, what, lambda: make_fused_step(
+          program, optimizer, clip_norm, global_tokens))
+    else:
+      program.grad, program.update = cache.get(key, what, lambda: make_split_step(
+          program, optimizer, clip_norm, global_tokens, t_min))
 
 
 def logical_state(programs: list[ClassProgram]) -> dict:
@@ -264,13 +307,41 @@ def logical_state(programs: list[ClassProgram]) -> dict:
 class JobStep:
   """One training step of the whole job over its class programs."""
 
-  def __init__(self, plan: Plan, programs: list[ClassProgram]):
+  def __init__(self, plan: Plan, programs: list[ClassProgram],
+               cache: ProgramCache | None = None):
     self.plan = plan
     self.programs = programs
     self.sync = None
     if len(programs) > 1:
-      self.sync = CrossClassSync([p.mesh for p in programs],
-                                 min(c.degree for c in plan.classes))
+      meshes, t_min = [p.mesh for p in programs], min(c.degree for c in plan.classes)
+      self.sync = (cache or ProgramCache()).get(
+          ("sync", tuple(meshes), t_min), "cross-class sync",
+          lambda: CrossClassSync(meshes, t_min))
+
+  def gradients_only(self, batch: np.ndarray) -> float:
+    """Loss and gradients of ``batch`` (synced across classes), not applied.
+
+    The work that a failure inside a step throws away; the state is unchanged.
+    """
+    rows = self.plan.class_rows()
+    if self.sync is None:
+      program = self.programs[0]
+      if program.grads_only is None:
+        program.grads_only = jax.jit(make_loss_and_grad(
+            program.graphdef, program.params, program.mesh,
+            self.plan.global_batch * (batch.shape[1] - 1)))
+      loss, grads = program.grads_only(program.params,
+                                       jax.device_put(batch, program.batch_sharding))
+      jax.block_until_ready(grads)
+      return float(loss)
+    losses, blocks = [], []
+    for program, (start, stop) in zip(self.programs, rows):
+      loss, class_blocks = program.grad(program.params,
+                                        jax.device_put(batch[start:stop], program.batch_sharding))
+      losses.append(loss)
+      blocks.append(class_blocks)
+    jax.block_until_ready(self.sync(blocks))
+    return float(sum(float(loss) for loss in losses))
 
   def __call__(self, batch: np.ndarray) -> dict[str, jax.Array]:
     """``batch``: int32 ``[plan.global_batch, seq + 1]``, rows in class order."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import time
 from typing import Any
 
 import jax
@@ -19,12 +18,14 @@ from flax import nnx
 
 from models.gpt import GPT, GPTConfig, model_layouts
 from ntp_jax.checkpoint import Checkpoints
+from ntp_jax.goodput import plot_run
+from ntp_jax.loop import TrainingRun
 from ntp_jax.data import make_dataset
 from ntp_jax.errors import ConfigError
 from ntp_jax.metrics import MetricsWriter, progress_line
 from ntp_jax.optim import make_optimizer
-from ntp_jax.plan import Plan, make_plan
-from ntp_jax.replica_class import JobStep, build_class_programs, logical_state
+from ntp_jax.plan import Plan, make_plan, parse_failed
+from ntp_jax.recovery import Event, check_events, failed_text, parse_events
 from ntp_jax.report import parameter_table
 from ntp_jax.signals import StopSignals
 from ntp_jax.shard import replica_view
@@ -33,10 +34,7 @@ from ntp_jax.sync import sync_traffic
 
 def plan_from_config(config, cfg: GPTConfig) -> Plan:
   """The job's plan from ``mesh.*``, ``ntp.*`` and ``train.batch_size``."""
-  return make_plan(functools.partial(model_layouts, cfg), tp=config.mesh.tp, dp=config.mesh.dp,
-                   failed=config.ntp.failed, slot_weights=config.ntp.get("slot_weights", ""),
-                   batch_size=config.train.batch_size,
-                   rebalance=config.ntp.get("rebalance", "proportional"))
+  return make_plan_from(config, cfg, config.ntp.failed)
 
 
 def check_devices(plan: Plan) -> list[jax.Device]:
@@ -85,22 +83,56 @@ def describe_written_plan(summary: dict) -> str:
           f"{summary['global_batch']} sequences per step")
 
 
-def train(config, *, log=print) -> dict[str, Any]:
+RECOVERY = ("live", "restart")
+
+
+def events_from_config(config, plan: Plan) -> tuple[list[Event], set[tuple[int, int]]]:
+  """``ntp.fail_at`` and ``ntp.repair_at`` as events, and the launch failures.
+
+  Raises:
+    ConfigError: naming the field, for unparsable events, events on slots
+      already dead (or repairs of live ones), ``ntp.recovery`` unknown, or a
+      recovery that has nothing to recover from.
+  """
+  recovery = config.ntp.recovery
+  if recovery not in RECOVERY:
+    raise ConfigError(f"ntp.recovery: {recovery!r} is not one of {', '.join(RECOVERY)}")
+  kw = dict(dp=plan.dp, tp=plan.tp, steps=config.train.steps)
+  events = (parse_events(config.ntp.fail_at, "fail", **kw)
+            + parse_events(config.ntp.repair_at, "repair", **kw))
+  failed = {(r, s) for r, slots in parse_failed(config.ntp.failed, plan.dp, plan.tp).items()
+            for s in slots}
+  check_events(events, failed, plan.tp, plan.dp)
+  fails = [e for e in events if e.kind == "fail"]
+  if fails and not config.checkpoint.every:
+    if recovery == "restart":
+      raise ConfigError("ntp.recovery: 'restart' restores the last checkpoint, but "
+                        "checkpoint.every=0 writes none")
+    if plan.dp == 1:
+      raise ConfigError("ntp.fail_at: with mesh.dp=1 no DP peer holds a copy of the state and "
+                        "checkpoint.every=0 writes no checkpoint to fall back to")
+  return events, failed
+
+
+def train(config, *, log=print, detector=None) -> dict[str, Any]:
   """Train the model of ``config`` and return a summary.
 
   Appends to ``<workdir>/metrics.jsonl`` (one JSON object per step: ``step``,
   ``loss``, ``tokens``, ``step_time_s``, ``tp_degree`` (the smallest live TP
   degree), ``tp_degrees`` (one per live replica), ``grad_norm``,
-  ``global_batch``, ``data_cursor`` (sequences consumed after the step), and
-  ``checkpoint_s`` on steps that start a checkpoint; event rows mark each
-  start, resume and stop) and logs a progress line every
-  ``train.log_every`` steps.
+  ``global_batch``, ``data_cursor`` (sequences consumed after the step),
+  ``goodput``, ``effective_tokens_per_s``, and ``checkpoint_s`` on steps
+  that start a checkpoint; event rows mark each start, resume, failure,
+  repair and stop) and logs a progress line every ``train.log_every`` steps.
 
   With ``checkpoint.every > 0`` it writes a checkpoint every that many steps,
   at the end, and when SIGTERM or SIGINT arrives (then it stops after the
   step in flight and returns with ``interrupted`` set); with
   ``checkpoint.resume`` it continues from the latest checkpoint in
-  ``checkpoint.dir``, onto this config's plan.
+  ``checkpoint.dir``, onto this config's plan. ``ntp.fail_at`` /
+  ``ntp.repair_at`` events (and ``detector``, a ``step -> [recovery.Event]``
+  hook for a real failure detector) change the plan while it runs
+  (``ntp_jax.loop``).
 
   Raises:
     ConfigError, DataError: bad settings or input (one line naming the field);
@@ -113,6 +145,8 @@ def train(config, *, log=print) -> dict[str, Any]:
   optimizer = make_optimizer(config.train)  # validates the optimizer fields up front
   plan = plan_from_config(config, cfg)
   devices = check_devices(plan)
+  events, failed = events_from_config(config, plan)
+  metrics_path = os.path.join(config.workdir, "metrics.jsonl")
 
   checkpoints = None
   if config.checkpoint.every:
@@ -129,103 +163,106 @@ def train(config, *, log=print) -> dict[str, Any]:
       checkpoints.close()
       return {"losses": [], "plan": plan, "programs": [], "start_step": start_step,
               "interrupted": False, "checkpoint": checkpoints.step_dir(latest),
-              "metrics_path": os.path.join(config.workdir, "metrics.jsonl")}
+              "metrics_path": metrics_path}
+    # Events before the resumed step have happened: start from their failed set.
+    past = [e for e in events if e.step < start_step]
+    for e in sorted(past):
+      (failed.add if e.kind == "fail" else failed.discard)((e.replica, e.slot))
+    events = [e for e in events if e.step >= start_step]
+    plan = make_plan_from(config, cfg, failed_text(failed))
   log(plan.describe())
+
+  def interrupted_summary():
+    return {"losses": [], "plan": plan, "programs": [], "start_step": start_step,
+            "interrupted": True, "checkpoint": None, "metrics_path": metrics_path}
 
   with StopSignals() as stop:
     try:
       return _run(config, cfg, optimizer, plan, devices, checkpoints, start_step, cursor,
-                  source, stop, log)
+                  source, stop, log, events, failed, detector)
     except KeyboardInterrupt:
       where = checkpoints and checkpoints.latest_step()
       saved = (f"last checkpoint {checkpoints.step_dir(where)}" if where is not None
                else "no checkpoint written")
       log(f"interrupted (second Ctrl-C); the step in flight is lost; {saved}")
-      return {"losses": [], "plan": plan, "programs": [], "start_step": start_step,
-              "interrupted": True, "checkpoint": None,
-              "metrics_path": os.path.join(config.workdir, "metrics.jsonl")}
+      return interrupted_summary()
     finally:
       if checkpoints is not None:
         checkpoints.close()
 
 
+def make_plan_from(config, cfg: GPTConfig, failed: str) -> Plan:
+  """The plan of ``config`` with ``failed`` in place of ``ntp.failed``."""
+  return make_plan(functools.partial(model_layouts, cfg), tp=config.mesh.tp, dp=config.mesh.dp,
+                   failed=failed, slot_weights=config.ntp.get("slot_weights", ""),
+                   batch_size=config.train.batch_size,
+                   rebalance=config.ntp.get("rebalance", "proportional"))
+
+
 def _run(config, cfg, optimizer, plan, devices, checkpoints, start_step, cursor, source, stop,
-         log) -> dict[str, Any]:
-  """The loop of ``train`` from ``start_step`` with the data cursor at ``cursor``."""
-  seq_len = config.train.seq_len
-  dataset = make_dataset(config.data.path or None, cfg.vocab_size, seq_len, config.workdir,
-                         config.train.seed, max_corpus_bytes=config.data.max_corpus_bytes)
+         log, events, failed, detector) -> dict[str, Any]:
+  """Data, programs and the loop of ``train`` from ``start_step``, data cursor at ``cursor``."""
+  dataset = make_dataset(config.data.path or None, cfg.vocab_size, config.train.seq_len,
+                         config.workdir, config.train.seed,
+                         max_corpus_bytes=config.data.max_corpus_bytes)
   dataset.check_batch_size(plan.global_batch)
   log(dataset.describe())
 
-  global_tokens = plan.global_batch * seq_len
-  programs = build_class_programs(
-      plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(config.train.seed)), optimizer,
-      config.train.clip_norm, global_tokens, devices, source=source)
-  job_step = JobStep(plan, programs)
-  # Shapes only: slicing one replica's copy out of the stacked arrays would copy them.
-  shapes = [jax.eval_shape(replica_view, p.params) for p in programs]
-  for program, shape in zip(programs, shapes):
-    log(f"class {program.replica_class.index} (TP degree {program.replica_class.degree}, "
-        f"replicas {list(program.replica_class.replicas)}):")
-    log(parameter_table(shape))
-
-  if len(programs) > 1:
-    traffic = sync_traffic(plan, shapes,
-                           np.dtype(cfg.storage_dtype).itemsize)
-    log(f"gradient sync per step: {traffic['cross_replica'] / 1e6:.2f} MB across domains, "
-        f"{traffic['intra_domain'] / 1e6:.2f} MB inside domains "
-        f"(logical gradient {traffic['logical'] / 1e6:.2f} MB)")
-
   writer = MetricsWriter(config.workdir)
-  writer.event("resume" if source is not None else "start", step=start_step,
-               data_cursor=cursor, plan=plan.summary())
-  degrees = [r.degree for r in plan.replicas]
-  losses = []
-  step, saved_step = start_step, start_step if source is not None else None
-
-  def save(done: int) -> float:
-    meta = {"data_cursor": cursor, "plan": plan.summary(),
-            "config": json.loads(config.to_json_best_effort())}
-    return checkpoints.save(done, logical_state(programs), meta)
-
+  run = TrainingRun(config, make_plan=functools.partial(make_plan_from, config, cfg),
+                    make_model=lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(config.train.seed)),
+                    optimizer=optimizer, devices=devices, dataset=dataset,
+                    checkpoints=checkpoints, writer=writer, log=log, failed=failed)
   try:
-    while step < config.train.steps and stop.received is None:
-      batch = dataset.sequences(cursor, plan.global_batch)
-      start = time.perf_counter()
-      metrics = job_step(batch)
-      loss = float(metrics["loss"])  # blocks until the step is done
-      elapsed = time.perf_counter() - start
-      if not np.isfinite(loss):
-        raise FloatingPointError(f"loss is {loss} at step {step}; lower train.lr")
-      cursor += plan.global_batch
-      record = {"step": step, "loss": loss, "tokens": global_tokens, "step_time_s": elapsed,
-                "tp_degree": min(degrees), "tp_degrees": degrees,
-                "grad_norm": float(metrics["grad_norm"]), "global_batch": plan.global_batch,
-                "data_cursor": cursor}
-      step += 1
-      if checkpoints is not None and step % config.checkpoint.every == 0:
-        record["checkpoint_s"] = save(step)
-        saved_step = step
-      writer.write(record)
-      losses.append(loss)
-      if record["step"] % config.train.log_every == 0 or step == config.train.steps:
-        log(progress_line(record, config.train.steps))
-    if checkpoints is not None and saved_step != step:
-      save(step)
-      saved_step = step
+    run.start(plan, source, start_step, cursor)
+    # Shapes only: slicing one replica's copy out of the stacked arrays would copy them.
+    shapes = [jax.eval_shape(replica_view, p.params) for p in run.programs]
+    for program, shape in zip(run.programs, shapes):
+      log(f"class {program.replica_class.index} (TP degree {program.replica_class.degree}, "
+          f"replicas {list(program.replica_class.replicas)}):")
+      log(parameter_table(shape))
+    if len(run.programs) > 1:
+      traffic = sync_traffic(plan, shapes, np.dtype(cfg.storage_dtype).itemsize)
+      log(f"gradient sync per step: {traffic['cross_replica'] / 1e6:.2f} MB across domains, "
+          f"{traffic['intra_domain'] / 1e6:.2f} MB inside domains "
+          f"(logical gradient {traffic['logical'] / 1e6:.2f} MB)")
+    writer.event("resume" if source is not None else "start", step=start_step,
+                 data_cursor=cursor, plan=plan.summary())
+
+    run.train(config.train.steps, events, stop, detector)
+
+    if checkpoints is not None and run.saved_step != run.step:
+      run.save()
     if checkpoints is not None:
-      checkpoints.wait()
-    where = checkpoints.step_dir(saved_step) if saved_step is not None else None
+      with run.clock.timed("checkpoint_save"):
+        checkpoints.wait()
+    where = checkpoints.step_dir(run.saved_step) if run.saved_step is not None else None
     if stop.received is not None:
-      writer.event("stop", step=step, signal=stop.received, checkpoint=where)
+      writer.event("stop", step=run.step, signal=stop.received, checkpoint=where)
       saved = (f"checkpoint written to {where}" if where else
                "no checkpoint written (checkpoint.every=0)")
-      log(f"interrupted at step {step} ({stop.received}); {saved}")
-    elif where:
-      log(f"checkpoint written to {where}")
+      log(f"interrupted at step {run.step} ({stop.received}); {saved}")
+    else:
+      if where:
+        log(f"checkpoint written to {where}")
+      finish(run, config, log)
   finally:
     writer.close()
-  return {"losses": losses, "plan": plan, "programs": programs, "start_step": start_step,
-          "interrupted": stop.received is not None, "checkpoint": where,
-          "metrics_path": os.path.join(config.workdir, "metrics.jsonl")}
+  return {"losses": run.losses, "plan": run.plan, "programs": run.programs,
+          "start_step": start_step, "interrupted": stop.received is not None,
+          "checkpoint": where, "metrics_path": writer.path, "goodput": run.clock.buckets(),
+          "cache": (run.cache.hits, run.cache.misses), "moved_bytes": run.moved_bytes,
+          "redone_steps": run.redone_steps}
+
+
+def finish(run: TrainingRun, config, log) -> None:
+  """Closing summary: goodput buckets, program cache, and the plot when events happened."""
+  log(run.clock.summary())
+  if run.redone_steps:
+    log(f"redone: {run.redone_steps} step(s)")
+  if run.marks:
+    log(f"programs: {run.cache.hits} cache hit(s), {run.cache.misses} compiled")
+  if run.records and (run.marks or config.train.get("plot", False)):
+    path = os.path.join(config.workdir, "goodput.png")
+    plot_run(run.records, run.marks, path)
+    log(f"plot: {path}")

@@ -21,6 +21,7 @@ def tiny_config(workdir, **overrides):
   c.train.log_every = 5
   c.data.max_corpus_bytes = 300_000
   c.checkpoint.every = 0  # these runs share a workdir: none may resume another's checkpoint
+  c.train.plot = False
   for key, value in overrides.items():
     section, field = key.split(".")
     c[section][field] = value

@@ -1,0 +1,227 @@
+"""One training run: steps, checkpoints, failures and repairs while it runs, goodput.
+
+``trainer.train`` sets up the config, plan and data and hands over to
+``TrainingRun``. Events (``recovery.Event``) change the set of failed slots
+before a step (or inside it, ``mid``); the run then re-plans and moves the
+live state onto the new plan (``ntp.recovery="live"``: from DP peers, see
+``ntp_jax.recovery``) or restores the last checkpoint onto it
+(``"restart"``, and the fallback when no live copy exists).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ntp_jax.goodput import GoodputClock
+from ntp_jax.metrics import progress_line
+from ntp_jax.placement import InitSource
+from ntp_jax.plan import Plan
+from ntp_jax.recovery import DeviceFailure, Event, PeerSource, failed_text, poison
+from ntp_jax.replica_class import JobStep, ProgramCache, build_class_programs, logical_state
+
+
+class TrainingRun:
+  """State of a run between steps: plan, programs, step, data cursor, failed slots.
+
+  Args:
+    config: the run config. make_plan: ``failed text -> Plan``.
+    make_model: ``layouts -> module``. optimizer: the optax transformation.
+    devices: the job's devices (slot-major per replica).
+    dataset: the training data (``sequences(cursor, count)``).
+    checkpoints: a ``checkpoint.Checkpoints`` or None (off).
+    writer: ``metrics.MetricsWriter``. log: one-line logger.
+  """
+
+  def __init__(self, config, *, make_plan: Callable[[str], Plan], make_model, optimizer, devices,
+               dataset, checkpoints, writer, log, failed: set[tuple[int, int]]):
+    self.config = config
+    self.make_plan = make_plan
+    self.make_model = make_model
+    self.optimizer = optimizer
+    self.devices = devices
+    self.dataset = dataset
+    self.checkpoints = checkpoints
+    self.writer = writer
+    self.log = log
+    self.failed = set(failed)
+    self.cache = ProgramCache()
+    self.clock = GoodputClock()
+    self.plan: Plan | None = None
+    self.programs: list = []
+    self.job_step: JobStep | None = None
+    self.step = 0
+    self.cursor = 0
+    self.saved_step: int | None = None
+    self.furthest = 0  # steps done at most so far: below it, a step is redone work
+    self.compile_next = True
+    self.losses: list[float] = []
+    self.records: list[dict[str, Any]] = []
+    self.marks: list[dict[str, Any]] = []  # failure / repair events, for the plot
+    self.moved_bytes = 0
+    self.redone_steps = 0  # steps whose work was thrown away (cut inside, or run again)
+
+  # -- building -------------------------------------------------------------------------------
+
+  def build(self, plan: Plan, source) -> None:
+    """Programs of ``plan`` filled from ``source``; the next step compiles (or hits the cache)."""
+    misses = self.cache.misses
+    self.plan = plan
+    tokens = plan.global_batch * self.config.train.seq_len
+    self.programs = build_class_programs(plan, self.make_model, self.optimizer,
+                                         self.config.train.clip_norm, tokens, self.devices,
+                                         source=source, cache=self.cache)
+    self.job_step = JobStep(plan, self.programs, cache=self.cache)
+    self.compile_next = self.cache.misses > misses
+    for what, hit in self.cache.events[-(len(self.programs) + (len(self.programs) > 1)):]:
+      if self.step:  # at start-up every program is new: say nothing
+        self.log(f"  {what}: {'cache hit, nothing to compile' if hit else 'compiled anew'}")
+
+  def start(self, plan: Plan, source, step: int, cursor: int) -> None:
+    self.step, self.cursor, self.furthest = step, cursor, step
+    self.saved_step = step if source is not None else None
+    bucket = "checkpoint_restore" if source is not None else "reconfigure"
+    with self.clock.timed(bucket):
+      self.build(plan, source or InitSource(lambda: self.make_model(plan.logical_layouts)))
+
+  # -- checkpoints ----------------------------------------------------------------------------
+
+  def save(self) -> float:
+    meta = {"data_cursor": self.cursor, "plan": self.plan.summary(),
+            "config": json.loads(self.config.to_json_best_effort())}
+    held = self.checkpoints.save(self.step, logical_state(self.programs), meta)
+    self.clock.add("checkpoint_save", held)
+    self.saved_step = self.step
+    return held
+
+  # -- failures and repairs -------------------------------------------------------------------
+
+  def apply(self, events: list[Event]) -> None:
+    """Change the failed set by ``events`` and move the job onto the new plan."""
+    before = set(self.failed)
+    for event in events:
+      pair = (event.replica, event.slot)
+      (self.failed.add if event.kind == "fail" else self.failed.discard)(pair)
+      self.marks.append({"step": self.step, "kind": event.kind, "label": event.describe()})
+      self.writer.event(event.kind, step=self.step, replica=event.replica, slot=event.slot,
+                        mid=event.mid)
+    dead = {self.devices[r * self.plan.tp + s] for r, s in self.failed - before}
+    start = time.perf_counter()
+    plan = self.make_plan(failed_text(self.failed))
+    self.log(f"step {self.step}: {', '.join(e.describe() for e in events)} -> TP degrees "
+             f"{[r.degree for r in plan.replicas]}, {plan.global_batch} sequences per step")
+    if self.config.ntp.recovery == "live":
+      poison(self.programs, dead)
+      source = PeerSource(self.programs, dead)
+      try:
+        self.build(plan, source)
+      except LookupError as err:
+        self.log(f"  live recovery impossible ({err}); restoring the last checkpoint instead")
+        self.restart(plan)
+        return
+      self.clock.add("reconfigure", time.perf_counter() - start)
+      self.moved_bytes += source.copied_bytes
+      self.log(f"  live: state moved from DP peers, {source.copied_bytes / 1e6:.2f} MB copied "
+               f"between devices, in {time.perf_counter() - start:.2f} s")
+    else:
+      self.restart(plan)
+
+  def restart(self, plan: Plan) -> None:
+    """The restart path: the new plan restored from the last complete checkpoint."""
+    start = time.perf_counter()
+    if self.checkpoints is None:
+      raise RuntimeError(f"recovery at step {self.step}: no live copy of the state and "
+                         "checkpoint.every=0; nothing to restart from")
+    self.checkpoints.wait()
+    latest = self.checkpoints.latest_step()
+    if latest is None:
+      self.step, self.cursor, source = 0, 0, None
+    else:
+      meta = self.checkpoints.meta(latest)
+      self.step, self.cursor = latest, int(meta["data_cursor"])
+      source = self.checkpoints.source(latest)
+    self.build(plan, source or InitSource(lambda: self.make_model(plan.logical_layouts)))
+    self.saved_step = latest
+    self.clock.add("checkpoint_restore", time.perf_counter() - start)
+    self.log(f"  restart: restored step {self.step} from "
+             f"{self.checkpoints.step_dir(latest) if latest is not None else 'initialisation'} "
+             f"in {time.perf_counter() - start:.2f} s; {self.furthest - self.step} step(s) to redo")
+
+  # -- steps ----------------------------------------------------------------------------------
+
+  def discard_step(self) -> None:
+    """A step cut by a failure after its gradients: computed, then thrown away."""
+    batch = self.dataset.sequences(self.cursor, self.plan.global_batch)
+    with self.clock.timed("redone"):
+      self.job_step.gradients_only(batch)
+    self.redone_steps += 1
+
+  def run_step(self, steps: int) -> dict[str, Any]:
+    """One optimizer step of the current plan; returns its metrics record."""
+    plan = self.plan
+    degrees = [r.degree for r in plan.replicas]
+    tokens = plan.global_batch * self.config.train.seq_len
+    batch = self.dataset.sequences(self.cursor, plan.global_batch)
+    start = time.perf_counter()
+    metrics = self.job_step(batch)
+    loss = float(metrics["loss"])  # blocks until the step is done
+    elapsed = time.perf_counter() - start
+    if not np.isfinite(loss):
+      raise FloatingPointError(f"loss is {loss} at step {self.step}; lower train.lr")
+    redone = self.step < self.furthest
+    self.redone_steps += redone
+    bucket = "redone" if redone else "compile" if self.compile_next else "productive"
+    self.clock.add(bucket, elapsed)
+    self.compile_next = False
+    if not redone:
+      self.clock.tokens += tokens
+    self.cursor += plan.global_batch
+    record = {"step": self.step, "loss": loss, "tokens": tokens, "step_time_s": elapsed,
+              "tp_degree": min(degrees), "tp_degrees": degrees,
+              "grad_norm": float(metrics["grad_norm"]), "global_batch": plan.global_batch,
+              "data_cursor": self.cursor}
+    self.step += 1
+    self.furthest = max(self.furthest, self.step)
+    every = self.config.checkpoint.every
+    if self.checkpoints is not None and self.step % every == 0:
+      record["checkpoint_s"] = self.save()
+    record["goodput"] = self.clock.goodput()
+    record["effective_tokens_per_s"] = self.clock.effective_tokens_per_s()
+    self.writer.write(record)
+    self.losses.append(loss)
+    self.records.append(record)
+    if record["step"] % self.config.train.log_every == 0 or self.step == steps:
+      self.log(progress_line(record, steps))
+    return record
+
+  def train(self, steps: int, events: list[Event], stop, detector=None) -> None:
+    """Steps until ``steps`` or a stop signal, applying ``events`` at their steps.
+
+    Args:
+      detector: optional ``step -> list[Event]`` called before each step (a
+        failure detector's hook); a ``recovery.DeviceFailure`` raised by it
+        or by a step is handled as a failure inside that step.
+    """
+    pending = sorted(events)
+    while self.step < steps and stop.received is None:
+      due = [e for e in pending if e.step == self.step]
+      if detector is not None:
+        due += list(detector(self.step))
+      between = [e for e in due if not e.mid]
+      if between:
+        self.apply(between)
+      inside = [e for e in due if e.mid]
+      if inside:
+        self.discard_step()
+        self.apply(inside)
+      pending = [e for e in pending if e not in due]
+      try:
+        self.run_step(steps)
+      except DeviceFailure as failure:
+        self.apply([Event(self.step, True, "fail", failure.replica, failure.slot)])

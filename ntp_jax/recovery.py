@@ -1,0 +1,265 @@
+"""Failures and repairs while a job runs: events, the new plan, state moved from live peers.
+
+A failure (or repair) changes the set of failed ``(replica, slot)`` pairs;
+the planner makes the new plan (``ntp_jax.plan.make_plan``), and the new
+class programs are filled through ``placement.place_logical`` from a
+``PeerSource``: the live state of the old programs. Every replica holds
+identical state, so each logical piece is taken from a replica whose devices
+holding it are alive; the failed device is never read (``poison`` overwrites
+its buffers with NaN first, so a wrong read would show in the loss). Pieces
+move device to device (``jax.device_put`` of single-device buffers and the
+class's resharding program); no array passes through the host. Source:
+Arfeen et al., arXiv:2504.06095, Sec. 3-4 (reduced TP degree after a
+failure); the live reshard from DP peers is our own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ntp_jax.collectives import transfer_schedule
+from ntp_jax.errors import ConfigError
+from ntp_jax.placement import (Leaf, Path, copy_of_replica, even_pieces, even_pieces_of, leaves_of,
+                               owner_layout)
+
+KINDS = ("fail", "repair")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Event:
+  """A device failing or coming back before step ``step`` (or inside it, ``mid``).
+
+  ``mid``: the failure strikes after that step's gradients are computed and
+  before they are applied; the step's work is discarded and redone.
+  """
+
+  step: int
+  mid: bool
+  kind: str
+  replica: int
+  slot: int
+
+  def describe(self) -> str:
+    where = f"{self.step}.mid" if self.mid else str(self.step)
+    return f"{self.kind} {where}@{self.replica}:{self.slot}"
+
+
+class DeviceFailure(Exception):
+  """Raised by a failure detector (or a step) when ``(replica, slot)``'s device is lost.
+
+  The trainer catches it around a step and recovers as for a ``mid`` event.
+  """
+
+  def __init__(self, replica: int, slot: int):
+    super().__init__(f"device of replica {replica} slot {slot} failed")
+    self.replica, self.slot = replica, slot
+
+
+def parse_events(text: str, kind: str, *, dp: int, tp: int, steps: int) -> list[Event]:
+  """``ntp.fail_at`` / ``ntp.repair_at`` text -> events.
+
+  Syntax: ``STEP@REPLICA:SLOT`` items separated by commas; ``STEP.mid@...``
+  (failures only) strikes inside the step. Example: ``"20@0:3,25.mid@1:0"``.
+
+  Raises:
+    ConfigError: naming the field, for a malformed item, a replica or slot
+      that does not exist, or a step outside ``[0, train.steps)``.
+  """
+  field = "ntp.fail_at" if kind == "fail" else "ntp.repair_at"
+  events = []
+  for item in filter(None, (i.strip() for i in str(text).split(","))):
+    match = re.fullmatch(r"(\d+)(\.mid)?@(\d+):(\d+)", item)
+    if not match:
+      raise ConfigError(f"{field}: {item!r} is not STEP@REPLICA:SLOT (e.g. '20@0:3'"
+                        f"{', or 20.mid@0:3' if kind == 'fail' else ''})")
+    step, mid, replica, slot = int(match[1]), bool(match[2]), int(match[3]), int(match[4])
+    if mid and kind == "repair":
+      raise ConfigError(f"{field}: {item!r}: a repair happens between steps, not '.mid'")
+    if replica >= dp:
+      raise ConfigError(f"{field}: replica {replica} in {item!r} does not exist (mesh.dp={dp})")
+    if slot >= tp:
+      raise ConfigError(f"{field}: slot {slot} in {item!r} does not exist (mesh.tp={tp})")
+    if step >= steps:
+      raise ConfigError(f"{field}: step {step} in {item!r} is past train.steps={steps}")
+    events.append(Event(step, mid, kind, replica, slot))
+  return events
+
+
+def check_events(events: Iterable[Event], failed: set[tuple[int, int]], tp: int, dp: int) -> None:
+  """Replay the events over the launch failures: each must change the set.
+
+  Raises:
+    ConfigError: naming ``ntp.fail_at`` for a slot already dead, or
+      ``ntp.repair_at`` for a slot that is live; or every slot of the job
+      failed.
+  """
+  failed = set(failed)
+  for event in sorted(events):
+    pair = (event.replica, event.slot)
+    if event.kind == "fail":
+      if pair in failed:
+        raise ConfigError(f"ntp.fail_at: {event.describe()}: replica {event.replica} slot "
+                          f"{event.slot} is already failed at step {event.step}")
+      failed.add(pair)
+      if len(failed) == tp * dp:
+        raise ConfigError(f"ntp.fail_at: {event.describe()} fails the last live slot of the job")
+    else:
+      if pair not in failed:
+        raise ConfigError(f"ntp.repair_at: {event.describe()}: replica {event.replica} slot "
+                          f"{event.slot} is live at step {event.step}; only a failed slot "
+                          "can be repaired")
+      failed.discard(pair)
+
+
+def failed_text(failed: set[tuple[int, int]]) -> str:
+  """``{(1, 2), (0, 3)}`` -> ``"0:3,1:2"`` (``ntp.failed`` syntax)."""
+  return ",".join(f"{r}:{s}" for r, s in sorted(failed))
+
+
+def poison(programs: list, dead: set[jax.Device]) -> None:
+  """Overwrite every buffer the ``dead`` devices hold with NaN (integers: -1), in place.
+
+  A failed device's memory is gone: after this, anything that still read it
+  would carry NaN into the loss.
+  """
+  def spoil(array):
+    if not isinstance(array, jax.Array) or not dead & set(array.sharding.device_set):
+      return array
+    bad = jnp.nan if jnp.issubdtype(array.dtype, jnp.inexact) else -1
+    pieces = [jax.device_put(jnp.full(s.data.shape, bad, s.data.dtype), s.device)
+              if s.device in dead else s.data for s in array.addressable_shards]
+    return jax.make_array_from_single_device_arrays(array.shape, array.sharding, pieces)
+
+  for program in programs:
+    program.params = jax.tree.map(spoil, program.params)
+    program.opt_state = jax.tree.map(spoil, program.opt_state)
+
+
+def _piece_sources(leaf: Leaf) -> list[set[int]]:
+  """For each even piece ``j``: the live-slot positions whose blocks it is made from."""
+  sources: list[set[int]] = [set() for _ in range(leaf.pieces)]
+  for t in transfer_schedule(owner_layout(leaf.layout), leaf.even_layout):
+    for i, length in enumerate(t["send_len"]):
+      if length > 0:
+        sources[i + t["shift"]].add(i)
+  return sources
+
+
+class PeerSource:
+  """Logical state from the live replicas of the old programs (a ``LogicalSource``).
+
+  Args:
+    programs: the old plan's class programs (their state poisoned on ``dead``).
+    dead: devices that failed (never read).
+
+  Raises (from ``read``):
+    LookupError: some piece has no live copy in any replica (then the
+      caller falls back to the last checkpoint).
+  """
+
+  def __init__(self, programs: list, dead: set[jax.Device]):
+    self.programs = programs
+    self.dead = dead
+    self.copied_bytes = 0  # bytes copied between devices for the new plan
+
+  def paths(self) -> None:
+    return None
+
+  def _alive(self, program, replica: int, positions: Iterable[int]) -> bool:
+    return all(program.mesh.devices[replica, i] not in self.dead for i in positions)
+
+  def _choose(self, leaf: Leaf, k: int) -> tuple[Any, list[list[int]]] | None:
+    """A class program and, for each piece, the replicas (rows) whose sources are alive."""
+    for program in self.programs:
+      source_leaf = self._leaf_in(program, leaf.path)
+      if source_leaf.layout is not None and k > program.replica_class.degree:
+        continue
+      if source_leaf.layout is None:
+        rows = [r for r in range(program.replicas)
+                if any(self._alive(program, r, [i]) for i in range(program.replica_class.degree))]
+        if rows:
+          return program, [rows]
+        continue
+      source_leaf = dataclasses.replace(source_leaf, k=k)
+      rows = []
+      for positions in _piece_sources(source_leaf):
+        alive = [r for r in range(program.replicas) if self._alive(program, r, positions)]
+        if not alive:
+          break
+        rows.append(alive)
+      else:
+        return program, rows
+    return None
+
+  def _leaf_in(self, program, path: Path) -> Leaf:
+    leaves = getattr(program, "_leaves", None)
+    if leaves is None:
+      leaves = {leaf.path: leaf for leaf in leaves_of(
+          {"params": program.params, "opt_state": program.opt_state})[0]}
+      program._leaves = leaves
+    return leaves[path]
+
+  def pieces(self, leaf: Leaf) -> int:
+    """Even pieces for ``leaf``: a split both the source class and the target can hold."""
+    n = leaf.layout.size
+    for program in self.programs:
+      k = even_pieces(n, min(program.replica_class.degree, leaf.layout.degree))
+      if self._choose(leaf, k) is not None:
+        return k
+    return even_pieces(n, leaf.layout.degree)
+
+  def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
+    plans = {}
+    for path, request in requests.items():
+      target = request.sharding.mesh.devices
+      k = target.shape[1] if request.sharding.spec else 1
+      leaf = Leaf(path, tuple(request.shape), np.dtype(request.dtype))
+      source_leaf = self._leaf_in(self.programs[0], path)
+      if source_leaf.layout is not None:
+        leaf = dataclasses.replace(leaf, layout=source_leaf.layout, axis=source_leaf.axis)
+      choice = self._choose(leaf, k)
+      if choice is None:
+        raise LookupError(f"{'/'.join(path)}: no live replica holds every piece")
+      plans[path] = (choice, k)
+    moved_by_program = {}
+    for program in {id(c[0][0]): c[0][0] for c in plans.values()}.values():
+      wanted = {p: k for p, ((prog, _), k) in plans.items() if prog is program}
+      moved_by_program[id(program)] = even_pieces_of(
+          {"params": program.params, "opt_state": program.opt_state}, program.mesh, wanted)
+    out = {}
+    for path, request in requests.items():
+      (program, rows), k = plans[path]
+      leaves, nodes, moved = moved_by_program[id(program)]
+      index = [leaf.path for leaf in leaves].index(path)
+      leaf, node = leaves[index], nodes[index]
+      target = request.sharding.mesh.devices  # [target replicas, k]
+      by_device = ({s.device: s.data for s in moved[path].addressable_shards}
+                   if leaf.layout is not None else {})
+      pieces = []
+      for target_row in target:
+        for j, device in enumerate(target_row):
+          # Prefer a copy that is already on the target device: nothing moves then.
+          if leaf.layout is not None:
+            options = [program.mesh.devices[r, j] for r in rows[j]]
+            source_device = device if device in options else options[0]
+            row = rows[j][options.index(source_device)]
+            piece = by_device[source_device].reshape(leaf.piece_shape)
+          else:
+            options = [(d, r) for r in rows[0] for d in program.mesh.devices[r]
+                       if d not in self.dead]
+            source_device, row = next(((d, r) for d, r in options if d == device), options[0])
+            piece = copy_of_replica(node, leaf, source_device, row)
+          if source_device != device:
+            self.copied_bytes += piece.nbytes
+          pieces.append(jax.device_put(piece, device))
+      out[path] = jax.make_array_from_single_device_arrays(
+          tuple(request.shape), request.sharding,
+          [p.astype(request.dtype) for p in pieces])
+    return out

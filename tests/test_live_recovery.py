@@ -1,0 +1,104 @@
+"""Failures and repairs while training: live recovery from DP peers, restart, goodput."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from ntp_jax.errors import ConfigError
+from ntp_jax.metrics import read_metrics, read_records
+from ntp_jax.recovery import poison
+from ntp_jax.trainer import train
+from test_train import tiny_config
+
+QUIET = dict(log=lambda *_: None)
+MESH = {"mesh.dp": 2, "mesh.tp": 4, "ntp.rebalance": "equal"}
+
+
+def run(workdir, ckpt, steps=40, **overrides):
+  config = tiny_config(workdir, **{"train.steps": steps, **MESH, **overrides})
+  config.checkpoint.every = 10
+  config.checkpoint.dir = str(ckpt)
+  return train(config, **QUIET)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  return tmp_path_factory.mktemp("live")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workdir, tmp_path_factory):
+  return run(workdir, tmp_path_factory.mktemp("whole"))["losses"]
+
+
+def test_live_failure_and_repair_keep_the_losses_and_the_degrees(workdir, tmp_path, uninterrupted):
+  result = run(workdir, tmp_path, **{"ntp.fail_at": "20@0:3", "ntp.repair_at": "30@0:3"})
+  np.testing.assert_allclose(result["losses"], uninterrupted, rtol=1e-5)
+  records = read_metrics(result["metrics_path"])
+  degrees = [r["tp_degrees"] for r in records]
+  assert degrees == [[4, 4]] * 20 + [[3, 4]] * 10 + [[4, 4]] * 10
+  # Nothing redone, no sequence skipped or repeated: the cursor advances by the batch.
+  assert result["redone_steps"] == 0
+  assert [r["data_cursor"] for r in records] == [16 * (i + 1) for i in range(40)]
+  # The repair returns to the healthy layout: its program is a cache hit.
+  hits, misses = result["cache"]
+  assert hits >= 1
+  assert 0 < records[-1]["goodput"] <= 1 and records[-1]["effective_tokens_per_s"] > 0
+  events = [r["event"] for r in read_records(result["metrics_path"]) if "event" in r]
+  assert events[-3:] == ["start", "fail", "repair"]
+  assert os.path.getsize(os.path.join(str(workdir), "goodput.png")) > 10_000
+
+
+def test_restart_path_and_a_failure_inside_a_step_give_the_same_losses(workdir, tmp_path,
+                                                                       uninterrupted):
+  result = run(workdir, tmp_path, **{"ntp.fail_at": "20.mid@0:3", "ntp.repair_at": "30@0:3",
+                                     "ntp.recovery": "restart"})
+  np.testing.assert_allclose(result["losses"][-40:], uninterrupted, rtol=1e-5)
+  assert result["redone_steps"] == 1
+  assert result["goodput"]["redone"] > 0 and result["goodput"]["checkpoint_restore"] > 0
+
+
+def test_failures_at_three_places_then_one_more(workdir, tmp_path, uninterrupted):
+  result = run(workdir, tmp_path, **{"ntp.fail_at": "20@0:1,20@1:3,25@0:2"})
+  np.testing.assert_allclose(result["losses"], uninterrupted, rtol=1e-5)
+  degrees = [r["tp_degrees"] for r in read_metrics(result["metrics_path"])]
+  assert degrees[19:21] == [[4, 4], [3, 3]] and degrees[25] == [2, 3]
+
+
+def test_a_failure_that_drops_a_replica_live_equals_restart(workdir, tmp_path):
+  drop = {"ntp.fail_at": "20@1:0,20@1:1,20@1:2,20@1:3"}
+  live = run(workdir, tmp_path / "live", steps=30, **drop)
+  restart = run(workdir, tmp_path / "restart", steps=30, **drop, **{"ntp.recovery": "restart"})
+  assert [r.replica for r in live["plan"].replicas] == [0]
+  np.testing.assert_allclose(live["losses"], restart["losses"], rtol=1e-5)
+  assert read_metrics(live["metrics_path"])[-1]["global_batch"] == 8
+
+
+def test_poison_overwrites_only_the_failed_devices():
+  from job_harness import run_job
+  _, _, _, programs = run_job(tp=4, dp=2, steps=1)
+  program = programs[0]
+  dead = {program.mesh.devices[0, 3]}
+  poison(programs, dead)
+  kernel = program.params["head"]["kernel"].get_value()
+  for shard in kernel.addressable_shards:
+    assert np.isnan(np.asarray(shard.data)).all() == (shard.device in dead)
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"ntp.fail_at": "20@0:9"}, "ntp.fail_at"),
+    ({"ntp.fail_at": "20@0:3,25@0:3"}, "ntp.fail_at"),
+    ({"ntp.fail_at": "20-0:3"}, "ntp.fail_at"),
+    ({"ntp.failed": "0:1", "ntp.fail_at": "5@0:1"}, "ntp.fail_at"),
+    ({"ntp.repair_at": "20@0:3"}, "ntp.repair_at"),
+    ({"ntp.repair_at": "20.mid@0:3", "ntp.fail_at": "10@0:3"}, "ntp.repair_at"),
+    ({"ntp.recovery": "pray"}, "ntp.recovery"),
+])
+def test_bad_events_are_one_line_errors_before_training(overrides, field, tmp_path):
+  config = tiny_config(tmp_path, **{"train.steps": 40, **MESH, **overrides})
+  with pytest.raises(ConfigError, match=f"^{field}:") as err:
+    train(config, **QUIET)
+  assert "\n" not in str(err.value)
+  assert not os.path.exists(tmp_path / "metrics.jsonl")  # nothing started
