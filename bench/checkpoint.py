@@ -81,7 +81,7 @@ def folder_bytes(path):
 
 
 LARGE_COMMON = """
-import os, resource, sys, time
+import os, sys, time
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, {root!r})
 import jax, numpy as np
@@ -98,6 +98,10 @@ def target(failed):
   return {{"params": {{"w": TPParam(block, tp_layout=layout, tp_axis=0)}}}}, class_mesh(
       [0], [layout.live_slots], 8)
 store = Checkpoints({path!r})
+
+def high_water():  # bytes; VmHWM starts afresh at exec (ru_maxrss would keep the parent's)
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 """
 
 LARGE_WRITE = LARGE_COMMON + """
@@ -112,19 +116,19 @@ store.close()
 LARGE_RESTORE = LARGE_COMMON + """
 tree, mesh = target((3,))
 jax.block_until_ready(jax.device_put(np.zeros(8), jax.devices()[0]))  # start the runtime
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+before = high_water()
 from ntp_jax.placement import leaves_of
 leaf = leaves_of(tree)[0][0]
 pieces = store.source(0).read({{leaf.path: leaf.abstract(leaf.even_sharding(mesh))}})
 jax.block_until_ready(pieces)
-read_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+read_peak = high_water()
 per_device = {{s.data.nbytes for s in pieces[leaf.path].addressable_shards}}
 del pieces
 start = time.perf_counter()
 state, _ = place_logical(tree, mesh, store.source(0))
 jax.block_until_ready(state)
 elapsed = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = high_water()
 w = state["params"]["w"].get_value()
 layout = tree["params"]["w"].tp_layout
 for shard in w.addressable_shards:  # every slot holds its own rows

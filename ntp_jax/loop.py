@@ -127,6 +127,8 @@ class TrainingRun:
         return
       self.clock.add("reconfigure", time.perf_counter() - start)
       self.moved_bytes += source.copied_bytes
+      self.writer.event("recovered", step=self.step, path="live",
+                        seconds=time.perf_counter() - start, copied_bytes=source.copied_bytes)
       self.log(f"  live: state moved from DP peers, {source.copied_bytes / 1e6:.2f} MB copied "
                f"between devices, in {time.perf_counter() - start:.2f} s")
     else:
@@ -149,6 +151,8 @@ class TrainingRun:
     self.build(plan, source or InitSource(lambda: self.make_model(plan.logical_layouts)))
     self.saved_step = latest
     self.clock.add("checkpoint_restore", time.perf_counter() - start)
+    self.writer.event("recovered", step=self.step, path="restart",
+                      seconds=time.perf_counter() - start, redo=self.furthest - self.step)
     self.log(f"  restart: restored step {self.step} from "
              f"{self.checkpoints.step_dir(latest) if latest is not None else 'initialisation'} "
              f"in {time.perf_counter() - start:.2f} s; {self.furthest - self.step} step(s) to redo")

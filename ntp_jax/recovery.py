@@ -261,5 +261,5 @@ class PeerSource:
           pieces.append(jax.device_put(piece, device))
       out[path] = jax.make_array_from_single_device_arrays(
           tuple(request.shape), request.sharding,
-          [p.astype(request.dtype) for p in pieces])
+          [p if p.dtype == request.dtype else p.astype(request.dtype) for p in pieces])
     return out
