@@ -1,6 +1,18 @@
-"""Helpers shared by the benchmarks: load a config file, print and save a table."""
+"""Helpers shared by the benchmarks: simulated devices, load a config file, print a table."""
 
 import importlib.util
+import os
+
+
+def simulate_cpu_devices(count: int = 8) -> None:
+  """Run on the CPU with ``count`` simulated devices unless XLA_FLAGS sets a count.
+
+  Must run before JAX is imported.
+  """
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 def load_config(path: str):

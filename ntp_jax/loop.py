@@ -86,9 +86,11 @@ class TrainingRun:
   def start(self, plan: Plan, source, step: int, cursor: int) -> None:
     self.step, self.cursor, self.furthest = step, cursor, step
     self.saved_step = step if source is not None else None
-    bucket = "checkpoint_restore" if source is not None else "reconfigure"
-    with self.clock.timed(bucket):
-      self.build(plan, source or InitSource(lambda: self.make_model(plan.logical_layouts)))
+    if source is None:  # fresh parameters: part of start-up (idle time)
+      self.build(plan, InitSource(lambda: self.make_model(plan.logical_layouts)))
+      return
+    with self.clock.timed("checkpoint_restore"):
+      self.build(plan, source)
 
   # -- checkpoints ----------------------------------------------------------------------------
 

@@ -323,7 +323,6 @@ class JobStep:
 
     The work that a failure inside a step throws away; the state is unchanged.
     """
-    rows = self.plan.class_rows()
     if self.sync is None:
       program = self.programs[0]
       if program.grads_only is None:
@@ -334,30 +333,28 @@ class JobStep:
                                        jax.device_put(batch, program.batch_sharding))
       jax.block_until_ready(grads)
       return float(loss)
+    losses, synced = self._synced_gradients(batch)
+    jax.block_until_ready(synced)
+    return float(sum(float(loss) for loss in losses))
+
+  def _synced_gradients(self, batch: np.ndarray) -> tuple[list[jax.Array], list[dict]]:
+    """Several classes: each class's loss share and its synced gradient blocks."""
     losses, blocks = [], []
-    for program, (start, stop) in zip(self.programs, rows):
+    for program, (start, stop) in zip(self.programs, self.plan.class_rows()):
       loss, class_blocks = program.grad(program.params,
                                         jax.device_put(batch[start:stop], program.batch_sharding))
       losses.append(loss)
       blocks.append(class_blocks)
-    jax.block_until_ready(self.sync(blocks))
-    return float(sum(float(loss) for loss in losses))
+    return losses, self.sync(blocks)
 
   def __call__(self, batch: np.ndarray) -> dict[str, jax.Array]:
     """``batch``: int32 ``[plan.global_batch, seq + 1]``, rows in class order."""
-    rows = self.plan.class_rows()
     if self.sync is None:
       program = self.programs[0]
       program.params, program.opt_state, metrics = program.step(
           program.params, program.opt_state, batch)
       return metrics
-    losses, blocks = [], []
-    for program, (start, stop) in zip(self.programs, rows):
-      loss, class_blocks = program.grad(program.params,
-                                        jax.device_put(batch[start:stop], program.batch_sharding))
-      losses.append(loss)
-      blocks.append(class_blocks)
-    synced = self.sync(blocks)
+    losses, synced = self._synced_gradients(batch)
     norm = None
     for program, class_blocks in zip(self.programs, synced):
       program.params, program.opt_state, norm = program.update(

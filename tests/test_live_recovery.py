@@ -102,3 +102,16 @@ def test_bad_events_are_one_line_errors_before_training(overrides, field, tmp_pa
     train(config, **QUIET)
   assert "\n" not in str(err.value)
   assert not os.path.exists(tmp_path / "metrics.jsonl")  # nothing started
+
+
+def test_one_replica_has_no_peer_and_falls_back_to_the_checkpoint(workdir, tmp_path):
+  logged = []
+  config = tiny_config(workdir, **{"train.steps": 14, "mesh.tp": 4, "ntp.fail_at": "12@0:3"})
+  config.checkpoint.every = 10
+  config.checkpoint.dir = str(tmp_path)
+  result = train(config, log=logged.append)
+  assert any("live recovery impossible" in line for line in logged), logged[-10:]
+  assert result["redone_steps"] == 2  # steps 10 and 11, after the checkpoint of step 10
+  steps = [r["step"] for r in read_metrics(result["metrics_path"])]
+  assert steps == list(range(14))
+  assert np.isfinite(result["losses"]).all()
