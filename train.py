@@ -10,9 +10,10 @@ and calls ``ntp_jax.trainer.train``.
 """
 
 import os
+import re
 import sys
 
-from absl import app, logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).")
@@ -27,6 +28,33 @@ def simulate_cpu_devices(count: int) -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   if "--xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a misspelled config field as one line naming it.
+
+  ml_collections raises ``AttributeError`` (with its own suggestion) for an
+  override of a field that does not exist; that would print a traceback.
+  """
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as err:
+    text = str(err)
+    names = re.findall(r"\w+", text)
+    wrong = names[0] if names else "config"
+    guess = re.search(r'Did you mean "(\w+)"', text)
+    field, suggestion = wrong, ""
+    for override in (a[len("--config."):].split("=")[0] for a in argv[1:]
+                     if a.startswith("--config.")):
+      parts = override.split(".")
+      if wrong in parts:  # the field as typed, up to the unknown name
+        at = parts.index(wrong)
+        field = ".".join(parts[:at + 1])
+        if guess:
+          suggestion = f"; did you mean {'.'.join(parts[:at] + [guess[1]])}?"
+        break
+    print(f"error: {field}: no such config field{suggestion}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv):
@@ -49,4 +77,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -57,18 +57,18 @@ class Checkpoints:
     CheckpointError: the folder cannot be created or read, naming it.
   """
 
-  def __init__(self, directory: str, *, keep: int = 2, asynchronous: bool = True):
+  def __init__(self, directory: str, *, keep: int = 2, asynchronous: bool = True,
+               field: str = "checkpoint.dir"):
     if keep < 1:
       raise ConfigError(f"checkpoint.keep: must be >= 1, got {keep}")
     self.directory = os.path.abspath(directory)
     if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-      raise CheckpointError(f"checkpoint.dir: {self.directory} is not a folder")
+      raise CheckpointError(f"{field}: {self.directory} is not a folder")
     try:
       os.makedirs(self.directory, exist_ok=True)
       os.listdir(self.directory)
     except OSError as err:
-      raise CheckpointError(f"checkpoint.dir: cannot use {self.directory} "
-                            f"({err.strerror})") from None
+      raise CheckpointError(f"{field}: cannot use {self.directory} ({err.strerror})") from None
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=asynchronous,
                                            cleanup_tmp_directories=True)
@@ -85,9 +85,22 @@ class Checkpoints:
     return os.path.join(self.directory, str(step))
 
   def latest_step(self) -> int | None:
-    """The newest complete step, or None. Incomplete saves are never listed."""
-    self._manager.reload()
-    return self._manager.latest_step()
+    """The newest complete step, or None.
+
+    orbax writes a step under a temporary name and renames it when done; a
+    step folder that still lacks a part (copied by hand, cut by a full disk)
+    is skipped too.
+    """
+    for step in reversed(self.all_steps()):
+      if self.is_complete(step):
+        return step
+    return None
+
+  def is_complete(self, step: int) -> bool:
+    """The step folder holds orbax's commit metadata and both items."""
+    folder = self.step_dir(step)
+    return all(os.path.exists(os.path.join(folder, part))
+               for part in ("_CHECKPOINT_METADATA", STATE, META))
 
   def all_steps(self) -> list[int]:
     self._manager.reload()
@@ -182,8 +195,11 @@ class Checkpoints:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           **{STATE: ocp.args.StandardRestore(nest(requests))}))[STATE]
     except Exception as err:
-      raise CheckpointError(f"checkpoint {self.step_dir(step)}: cannot be restored "
-                            f"({_one_line(err)})") from None
+      older = [s for s in self.all_steps() if s < step and self.is_complete(s)]
+      hint = (f"remove it to resume from {self.step_dir(older[-1])}" if older else
+              "set checkpoint.resume=False to start afresh")
+      raise CheckpointError(f"checkpoint {self.step_dir(step)}: a data file is missing or "
+                            f"damaged ({_one_line(err)[:160]}...); {hint}") from None
     return flatten(dict(restored))
 
 

@@ -78,8 +78,14 @@ def plot_run(records: list[dict[str, Any]], events: list[dict[str, Any]], path: 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  from matplotlib.ticker import MaxNLocator
+
+  # A step run again (after a restart) is drawn once, with its last record.
+  records = list({r["step"]: r for r in records}.values())
+  records.sort(key=lambda r: r["step"])
   steps = [r["step"] for r in records]
   fig, (loss_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+  speed_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   loss_ax.plot(steps, [r["loss"] for r in records], lw=1)
   loss_ax.set_ylabel("loss")
   speed_ax.plot(steps, [r["tokens"] / r["step_time_s"] for r in records], lw=1)
@@ -89,7 +95,7 @@ def plot_run(records: list[dict[str, Any]], events: list[dict[str, Any]], path: 
     color = "tab:red" if event["kind"] == "fail" else "tab:green"
     for ax in (loss_ax, speed_ax):
       ax.axvline(event["step"], color=color, ls="--", lw=1)
-    loss_ax.annotate(event["label"], (event["step"], 1.0), xycoords=("data", "axes fraction"),
+    loss_ax.annotate(event["label"], (event["step"], 0.97), xycoords=("data", "axes fraction"),
                      rotation=90, va="top", ha="right", fontsize=7, color=color)
   fig.tight_layout()
   fig.savefig(path, dpi=100)

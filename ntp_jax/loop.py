@@ -116,8 +116,11 @@ class TrainingRun:
     dead = {self.devices[r * self.plan.tp + s] for r, s in self.failed - before}
     start = time.perf_counter()
     plan = self.make_plan(failed_text(self.failed))
+    dropped = "".join(f", replica {r} dropped (no live slot)" for r in plan.dropped)
+    redo = "; step cut after its gradients, redone" if any(e.mid for e in events) else ""
     self.log(f"step {self.step}: {', '.join(e.describe() for e in events)} -> TP degrees "
-             f"{[r.degree for r in plan.replicas]}, {plan.global_batch} sequences per step")
+             f"{[r.degree for r in plan.replicas]}{dropped}, {plan.global_batch} sequences per "
+             f"step{redo}")
     if self.config.ntp.recovery == "live":
       poison(self.programs, dead)
       source = PeerSource(self.programs, dead)
@@ -182,7 +185,8 @@ class TrainingRun:
       raise FloatingPointError(f"loss is {loss} at step {self.step}; lower train.lr")
     redone = self.step < self.furthest
     self.redone_steps += redone
-    bucket = "redone" if redone else "compile" if self.compile_next else "productive"
+    # A step that compiles is mostly compilation, even when it is also redone work.
+    bucket = "compile" if self.compile_next else "redone" if redone else "productive"
     self.clock.add(bucket, elapsed)
     self.compile_next = False
     if not redone:
@@ -191,7 +195,7 @@ class TrainingRun:
     record = {"step": self.step, "loss": loss, "tokens": tokens, "step_time_s": elapsed,
               "tp_degree": min(degrees), "tp_degrees": degrees,
               "grad_norm": float(metrics["grad_norm"]), "global_batch": plan.global_batch,
-              "data_cursor": self.cursor}
+              "data_cursor": self.cursor, "time": time.time()}
     self.step += 1
     self.furthest = max(self.furthest, self.step)
     every = self.config.checkpoint.every

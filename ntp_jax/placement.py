@@ -347,23 +347,30 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
               for leaf in leaves]
   wanted = [leaf for leaf in leaves if available is None or leaf.path in available]
   requests = {leaf.path: leaf.abstract(leaf.even_sharding(mesh)) for leaf in wanted}
-  arrays = source.read(requests) if requests else {}
+  # A source that holds the pieces on devices already may hand them over as they are
+  # ([1, 1, *piece] per device, split leaves only): no reshaping on every device.
+  read_blocks = getattr(source, "read_blocks", None)
+  split = [leaf for leaf in wanted if leaf.layout is not None]
+  blocks = read_blocks({leaf.path: requests[leaf.path] for leaf in split}) if (
+      read_blocks and split) else {}
+  rest = {p: r for p, r in requests.items() if p not in blocks}
+  arrays = source.read(rest) if rest else {}
   replicas = mesh.devices.shape[0]
   placed: dict[Path, jax.Array] = {}
 
-  split = [leaf for leaf in wanted if leaf.layout is not None]
   if split:
     inputs = []
     for leaf in split:
       block = (1, 1) + leaf.piece_shape
-      by_device = _per_device(arrays[leaf.path])
+      by_device = blocks.get(leaf.path) or {
+          d: x.reshape(block) for d, x in _per_device(arrays[leaf.path]).items()}
       pieces = []
       for row in mesh.devices:
         for j, device in enumerate(row):
           if j < leaf.pieces:
-            pieces.append(by_device[device].reshape(block))
-          else:  # slots past k hold none of the even layout
-            pieces.append(jnp.zeros(block, leaf.dtype, device=device))
+            pieces.append(by_device[device])
+          else:  # slots past k hold none of the even layout (zeros from the host: no compile)
+            pieces.append(jax.device_put(np.zeros(block, leaf.dtype), device))
       inputs.append(jax.make_array_from_single_device_arrays(
           (replicas, mesh.devices.shape[1]) + block[2:], NamedSharding(mesh, P(DP, TP)), pieces))
     for leaf, array in zip(split, _transfer_program(tuple(split), mesh, to_blocks=True)(*inputs)):

@@ -132,8 +132,8 @@ def poison(programs: list, dead: set[jax.Device]) -> None:
   def spoil(array):
     if not isinstance(array, jax.Array) or not dead & set(array.sharding.device_set):
       return array
-    bad = jnp.nan if jnp.issubdtype(array.dtype, jnp.inexact) else -1
-    pieces = [jax.device_put(jnp.full(s.data.shape, bad, s.data.dtype), s.device)
+    bad = np.nan if jnp.issubdtype(array.dtype, jnp.inexact) else -1
+    pieces = [jax.device_put(np.full(s.data.shape, bad, s.data.dtype), s.device)
               if s.device in dead else s.data for s in array.addressable_shards]
     return jax.make_array_from_single_device_arrays(array.shape, array.sharding, pieces)
 
@@ -215,7 +215,15 @@ class PeerSource:
         return k
     return even_pieces(n, leaf.layout.degree)
 
+  def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                  ) -> dict[Path, dict[jax.Device, jax.Array]]:
+    """Split leaves as ``[1, 1, *piece]`` buffers on each requested device."""
+    return self._gather(requests, as_blocks=True)
+
   def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
+    return self._gather(requests, as_blocks=False)
+
+  def _gather(self, requests, as_blocks: bool):
     plans = {}
     for path, request in requests.items():
       target = request.sharding.mesh.devices
@@ -250,7 +258,9 @@ class PeerSource:
             options = [program.mesh.devices[r, j] for r in rows[j]]
             source_device = device if device in options else options[0]
             row = rows[j][options.index(source_device)]
-            piece = by_device[source_device].reshape(leaf.piece_shape)
+            piece = by_device[source_device]  # [1, 1, *piece]
+            if not as_blocks:
+              piece = piece.reshape(leaf.piece_shape)
           else:
             options = [(d, r) for r in rows[0] for d in program.mesh.devices[r]
                        if d not in self.dead]
@@ -259,7 +269,10 @@ class PeerSource:
           if source_device != device:
             self.copied_bytes += piece.nbytes
           pieces.append(jax.device_put(piece, device))
-      out[path] = jax.make_array_from_single_device_arrays(
-          tuple(request.shape), request.sharding,
-          [p if p.dtype == request.dtype else p.astype(request.dtype) for p in pieces])
+      pieces = [p if p.dtype == request.dtype else p.astype(request.dtype) for p in pieces]
+      if as_blocks:
+        out[path] = dict(zip([d for row in target for d in row], pieces))
+      else:
+        out[path] = jax.make_array_from_single_device_arrays(
+            tuple(request.shape), request.sharding, pieces)
     return out

@@ -75,10 +75,33 @@ def checkpoint_dir(config) -> str:
   return config.checkpoint.dir or os.path.join(config.workdir, "checkpoints")
 
 
+def check_same_data(config, meta: dict, where: str, log) -> None:
+  """The checkpoint's data position must mean the same sequences in this run.
+
+  Raises:
+    ConfigError: naming ``train.seq_len`` when it differs from the checkpoint's
+      (the cursor counts sequences of that length). Another seed, data path,
+      byte budget or vocabulary gets a one-line warning: the order changes.
+  """
+  written = meta.get("config", {})
+  old = written.get("train", {}).get("seq_len")
+  if old is not None and old != config.train.seq_len:
+    raise ConfigError(f"train.seq_len: the checkpoint {where} was written with train.seq_len="
+                      f"{old}; its data position counts sequences of that length (now "
+                      f"{config.train.seq_len}); resume with {old} or set "
+                      "checkpoint.resume=False")
+  for section, field in (("train", "seed"), ("data", "path"), ("data", "max_corpus_bytes"),
+                         ("model", "vocab_size")):
+    before = written.get(section, {}).get(field)
+    if before is not None and before != config[section][field]:
+      log(f"warning: {section}.{field} was {before!r} when {where} was written, now "
+          f"{config[section][field]!r}: the data order differs from the first run")
+
+
 def describe_written_plan(summary: dict) -> str:
   """One line for the plan a checkpoint was written under (``Plan.summary``)."""
-  replicas = "; ".join(f"replica {r['replica']}: slots {','.join(map(str, r['live_slots']))}"
-                       for r in summary["replicas"])
+  replicas = "; ".join(f"replica {r['replica']}: TP degree {len(r['live_slots'])}, slots "
+                       f"{','.join(map(str, r['live_slots']))}" for r in summary["replicas"])
   return (f"mesh.dp={summary['dp']} x mesh.tp={summary['tp']} ({replicas}), "
           f"{summary['global_batch']} sequences per step")
 
@@ -148,13 +171,21 @@ def train(config, *, log=print, detector=None) -> dict[str, Any]:
   events, failed = events_from_config(config, plan)
   metrics_path = os.path.join(config.workdir, "metrics.jsonl")
 
+  # The data first: a bad data.path stops here, before any checkpoint folder is touched.
+  dataset = make_dataset(config.data.path or None, cfg.vocab_size, config.train.seq_len,
+                         config.workdir, config.train.seed,
+                         max_corpus_bytes=config.data.max_corpus_bytes)
+  dataset.check_batch_size(plan.global_batch)
+
   checkpoints = None
   if config.checkpoint.every:
-    checkpoints = Checkpoints(checkpoint_dir(config), keep=config.checkpoint.keep)
+    checkpoints = Checkpoints(checkpoint_dir(config), keep=config.checkpoint.keep,
+                              field="checkpoint.dir" if config.checkpoint.dir else "workdir")
   start_step, cursor, source = 0, 0, None
   latest = checkpoints.latest_step() if checkpoints and config.checkpoint.resume else None
   if latest is not None:
     meta = checkpoints.meta(latest)
+    check_same_data(config, meta, checkpoints.step_dir(latest), log)
     start_step, cursor, source = latest, int(meta["data_cursor"]), checkpoints.source(latest)
     log(f"resuming from step {latest} of {checkpoints.step_dir(latest)}")
     log(f"  written under: {describe_written_plan(meta['plan'])}")
@@ -179,7 +210,7 @@ def train(config, *, log=print, detector=None) -> dict[str, Any]:
   with StopSignals() as stop:
     try:
       return _run(config, cfg, optimizer, plan, devices, checkpoints, start_step, cursor,
-                  source, stop, log, events, failed, detector)
+                  source, stop, log, events, failed, detector, dataset)
     except KeyboardInterrupt:
       where = checkpoints and checkpoints.latest_step()
       saved = (f"last checkpoint {checkpoints.step_dir(where)}" if where is not None
@@ -200,14 +231,9 @@ def make_plan_from(config, cfg: GPTConfig, failed: str) -> Plan:
 
 
 def _run(config, cfg, optimizer, plan, devices, checkpoints, start_step, cursor, source, stop,
-         log, events, failed, detector) -> dict[str, Any]:
-  """Data, programs and the loop of ``train`` from ``start_step``, data cursor at ``cursor``."""
-  dataset = make_dataset(config.data.path or None, cfg.vocab_size, config.train.seq_len,
-                         config.workdir, config.train.seed,
-                         max_corpus_bytes=config.data.max_corpus_bytes)
-  dataset.check_batch_size(plan.global_batch)
+         log, events, failed, detector, dataset) -> dict[str, Any]:
+  """Programs and the loop of ``train`` from ``start_step``, data cursor at ``cursor``."""
   log(dataset.describe())
-
   writer = MetricsWriter(config.workdir)
   run = TrainingRun(config, make_plan=functools.partial(make_plan_from, config, cfg),
                     make_model=lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(config.train.seed)),
@@ -237,15 +263,16 @@ def _run(config, cfg, optimizer, plan, devices, checkpoints, start_step, cursor,
       with run.clock.timed("checkpoint_save"):
         checkpoints.wait()
     where = checkpoints.step_dir(run.saved_step) if run.saved_step is not None else None
+    finish(run, config, log)
     if stop.received is not None:
       writer.event("stop", step=run.step, signal=stop.received, checkpoint=where)
       saved = (f"checkpoint written to {where}" if where else
                "no checkpoint written (checkpoint.every=0)")
       log(f"interrupted at step {run.step} ({stop.received}); {saved}")
     else:
+      writer.event("end", step=run.step, checkpoint=where)
       if where:
         log(f"checkpoint written to {where}")
-      finish(run, config, log)
   finally:
     writer.close()
   return {"losses": run.losses, "plan": run.plan, "programs": run.programs,

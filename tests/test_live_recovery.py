@@ -1,5 +1,6 @@
 """Failures and repairs while training: live recovery from DP peers, restart, goodput."""
 
+import functools
 import os
 
 import jax
@@ -47,7 +48,7 @@ def test_live_failure_and_repair_keep_the_losses_and_the_degrees(workdir, tmp_pa
   assert hits >= 1
   assert 0 < records[-1]["goodput"] <= 1 and records[-1]["effective_tokens_per_s"] > 0
   events = [r["event"] for r in read_records(result["metrics_path"]) if "event" in r]
-  assert events[-3:] == ["start", "fail", "repair"]
+  assert events[-6:] == ["start", "fail", "recovered", "repair", "recovered", "end"]
   assert os.path.getsize(os.path.join(str(workdir), "goodput.png")) > 10_000
 
 
@@ -115,3 +116,40 @@ def test_one_replica_has_no_peer_and_falls_back_to_the_checkpoint(workdir, tmp_p
   steps = [r["step"] for r in read_metrics(result["metrics_path"])]
   assert steps == list(range(14))
   assert np.isfinite(result["losses"]).all()
+
+
+def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdir, tmp_path):
+  """The global batch shrinks to 14 sequences while a slot is down, then returns to 16."""
+  from flax import nnx
+
+  from models.gpt import GPT, GPTConfig, model_layouts
+  from ntp_jax.data import make_dataset
+  from ntp_jax.optim import make_optimizer
+  from ntp_jax.placement import ArraySource
+  from ntp_jax.plan import make_plan
+  from ntp_jax.replica_class import JobStep, build_class_programs, logical_state
+
+  events = {"ntp.rebalance": "proportional", "ntp.fail_at": "20@0:3", "ntp.repair_at": "30@0:3"}
+  ntp = run(workdir, tmp_path, **events)
+  records = read_metrics(ntp["metrics_path"])
+  batches = [r["global_batch"] for r in records]
+  assert batches == [16] * 20 + [14] * 10 + [16] * 10
+
+  config = tiny_config(workdir, **{"train.steps": 40})
+  cfg = GPTConfig.from_config(config.model)
+  optimizer = make_optimizer(config.train)
+  dataset = make_dataset(None, cfg.vocab_size, config.train.seq_len, str(workdir),
+                         config.train.seed, max_corpus_bytes=config.data.max_corpus_bytes)
+  losses, cursor, programs, source = [], 0, None, None
+  for step, batch in enumerate(batches):
+    if programs is None or batch != programs[0].replica_class.batch_share:
+      if programs is not None:
+        source = ArraySource({p: np.asarray(a) for p, a in logical_state(programs).items()})
+      plan = make_plan(functools.partial(model_layouts, cfg), tp=1, dp=1, batch_size=batch)
+      programs = build_class_programs(
+          plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(config.train.seed)), optimizer,
+          config.train.clip_norm, batch * config.train.seq_len, jax.devices()[:1], source=source)
+      job = JobStep(plan, programs)
+    losses.append(float(job(dataset.sequences(cursor, batch))["loss"]))
+    cursor += batch
+  np.testing.assert_allclose(ntp["losses"], losses, rtol=1e-4)

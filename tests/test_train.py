@@ -82,6 +82,8 @@ def _cli(*args, env_extra=None):
     (["--config.ntp.slot_weights=1,2"], "ntp.slot_weights"),
     (["--config.train.log_every=0"], "train.log_every"),
     (["--config.train.batch_size=0"], "train.batch_size"),
+    (["--config.ntp.faild=3"], "ntp.faild"),
+    (["--config.mesh.tpp=2"], "mesh.tpp"),
 ])
 def test_bad_input_is_one_line_naming_the_field(args, field, tmp_path):
   result = _cli(*args, f"--config.workdir={tmp_path}")
