@@ -89,7 +89,8 @@ from ntp_jax.checkpoint import Checkpoints
 from ntp_jax.layout import make_layout
 from ntp_jax.layers.params import TPParam
 from ntp_jax.mesh import class_mesh
-from ntp_jax.placement import ArraySource, place_logical, read_logical
+from ntp_jax.placement import place_logical, read_logical
+from ntp_jax.sources import ArraySource
 
 rows, cols = {rows}, 8192
 def target(failed):

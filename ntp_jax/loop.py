@@ -11,17 +11,15 @@ live state onto the new plan (``ntp.recovery="live"``: from DP peers, see
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
 from ntp_jax.goodput import GoodputClock
 from ntp_jax.metrics import progress_line
-from ntp_jax.placement import InitSource
+from ntp_jax.sources import InitSource
 from ntp_jax.plan import Plan
 from ntp_jax.recovery import DeviceFailure, Event, PeerSource, failed_text, poison
 from ntp_jax.replica_class import JobStep, ProgramCache, build_class_programs, logical_state

@@ -26,7 +26,8 @@ from jax.sharding import PartitionSpec as P
 from ntp_jax.layers.params import TPParam, sum_shared_grads
 from ntp_jax.mesh import DP, TP, class_mesh
 from ntp_jax.optim import clip_by_logical_norm, logical_norm
-from ntp_jax.placement import InitSource, LogicalSource, place_logical, read_logical
+from ntp_jax.placement import LogicalSource, place_logical, read_logical
+from ntp_jax.sources import InitSource
 from ntp_jax.plan import Plan, ReplicaClass
 from ntp_jax.shard import (replica_specs, restack_local, spec_shardings, stack_replicas,
                            unstack_local)

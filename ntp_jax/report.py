@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-import jax
 import numpy as np
 from flax import nnx
 

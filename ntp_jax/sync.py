@@ -41,7 +41,6 @@ from jax.sharding import PartitionSpec as P
 from ntp_jax.collectives import reshard_uneven, slot_position, tp_sum, transfer_schedule
 from ntp_jax.layers.params import TPParam
 from ntp_jax.layout import Layout, apportion
-from ntp_jax.mesh import DP, TP
 
 REPLICA = "replica"  # axis of the sync mesh: every live replica
 PEER = "peer"  # axis of the sync mesh: core slot position (peer group)

@@ -8,7 +8,6 @@ sub-mesh of the job's devices.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from typing import Any
 
@@ -22,7 +21,7 @@ from ntp_jax.goodput import plot_run
 from ntp_jax.loop import TrainingRun
 from ntp_jax.data import make_dataset
 from ntp_jax.errors import ConfigError
-from ntp_jax.metrics import MetricsWriter, progress_line
+from ntp_jax.metrics import MetricsWriter
 from ntp_jax.optim import make_optimizer
 from ntp_jax.plan import Plan, make_plan, parse_failed
 from ntp_jax.recovery import Event, check_events, failed_text, parse_events

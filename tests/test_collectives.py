@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from layer_check import global_to_logical, mesh_for, split_to_global
 from ntp_jax.collectives import (all_gather_uneven, reduce_scatter_uneven, reshard_uneven,
                                  transfer_schedule)
-from ntp_jax.layout import Layout, make_layout
+from ntp_jax.layout import make_layout
 from ntp_jax.sync import sync_layout
 from tp_cases import TP_GROUPS, group_id
 

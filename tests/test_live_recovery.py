@@ -125,7 +125,7 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
   from models.gpt import GPT, GPTConfig, model_layouts
   from ntp_jax.data import make_dataset
   from ntp_jax.optim import make_optimizer
-  from ntp_jax.placement import ArraySource
+  from ntp_jax.sources import ArraySource
   from ntp_jax.plan import make_plan
   from ntp_jax.replica_class import JobStep, build_class_programs, logical_state
 

@@ -1,7 +1,6 @@
 """The whole GPT against a dense single-device reference, value and gradient."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -53,7 +52,8 @@ def test_same_seed_gives_same_logical_parameters_for_every_layout():
 
 def test_logical_arrays_placed_into_blocks_with_shared_units():
   import optax
-  from ntp_jax.placement import ArraySource, flatten
+  from ntp_jax.placement import flatten
+  from ntp_jax.sources import ArraySource
   from ntp_jax.replica_class import abstract_class_state
   from ntp_jax.placement import place_logical
   layouts = model_layouts(CFG, 8, (3,))  # 8 KV heads on 7 slots: 1 each + 1 shared

@@ -18,7 +18,8 @@ from flax import nnx
 from job_harness import SMALL
 from models.gpt import GPT, model_layouts
 from ntp_jax.checkpoint import CheckpointError, Checkpoints
-from ntp_jax.placement import ArraySource, Leaf, even_pieces, leaves_of, read_logical
+from ntp_jax.placement import Leaf, even_pieces, leaves_of, read_logical
+from ntp_jax.sources import ArraySource
 from ntp_jax.plan import make_plan
 from ntp_jax.replica_class import abstract_class_state, build_class_programs
 
