@@ -48,6 +48,12 @@ FAIL_STEP = 11
 
 
 def configure(args, workdir, **overrides):
+  """The run config; the tokenized data is shared through one cache folder."""
+  cache = os.path.join(os.path.dirname(workdir), "data")
+  os.makedirs(workdir, exist_ok=True)
+  if not os.path.exists(os.path.join(workdir, "data")):
+    os.makedirs(cache, exist_ok=True)
+    os.symlink(cache, os.path.join(workdir, "data"))
   config = load_config(args.config)
   config.workdir = workdir
   config.mesh.dp, config.mesh.tp = 2, 4

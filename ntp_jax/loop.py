@@ -121,7 +121,7 @@ class TrainingRun:
              f"step{redo}")
     if self.config.ntp.recovery == "live":
       poison(self.programs, dead)
-      source = PeerSource(self.programs, dead)
+      source = PeerSource(self.programs, dead, min_degree=plan.t_min)
       try:
         self.build(plan, source)
       except LookupError as err:
@@ -220,7 +220,10 @@ class TrainingRun:
     while self.step < steps and stop.received is None:
       due = [e for e in pending if e.step == self.step]
       if detector is not None:
-        due += list(detector(self.step))
+        try:
+          due += list(detector(self.step))
+        except DeviceFailure as failure:  # found before the step: a failure between steps
+          due.append(Event(self.step, False, "fail", failure.replica, failure.slot))
       between = [e for e in due if not e.mid]
       if between:
         self.apply(between)

@@ -118,7 +118,7 @@ class Leaf:
     """Shape of one piece of the even layout (the whole array when not split)."""
     if self.layout is None:
       return self.shape
-    return _block_shape(self, self.layout.size // self.pieces)
+    return block_shape(self, self.layout.size // self.pieces)
 
   def piece_sharding(self, devices) -> NamedSharding:
     """The even layout on ``devices`` (one per piece; one device when not split)."""
@@ -251,7 +251,10 @@ def _transfer_program(split: tuple[Leaf, ...], mesh: Mesh, to_blocks: bool) -> C
                                out_specs=(spec,) * len(split)))
 
 
-def _block_shape(leaf: Leaf, length: int) -> tuple[int, ...]:
+def block_shape(leaf: Leaf, length: int | None = None) -> tuple[int, ...]:
+  """The leaf's shape with the split axis ``length`` long (default: its padded block)."""
+  if length is None:
+    length = leaf.layout.block
   shape = list(leaf.shape)
   shape[leaf.axis] = length
   return tuple(shape)
@@ -346,6 +349,10 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
     leaves = [dataclasses.replace(leaf, k=choose(leaf)) if leaf.layout is not None else leaf
               for leaf in leaves]
   wanted = [leaf for leaf in leaves if available is None or leaf.path in available]
+  in_place = getattr(source, "in_place", None)  # state already on these devices, as wanted
+  kept = in_place(wanted, mesh) if in_place is not None else None
+  if kept is not None:
+    return _rebuild(leaves, treedef, nodes, kept), set(kept)
   requests = {leaf.path: leaf.abstract(leaf.even_sharding(mesh)) for leaf in wanted}
   # A source that holds the pieces on devices already may hand them over as they are
   # ([1, 1, *piece] per device, split leaves only): no reshaping on every device.
@@ -384,6 +391,11 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
       placed[leaf.path] = jax.device_put(arrays[leaf.path].astype(leaf.dtype),
                                          NamedSharding(mesh, P()))
 
+  return _rebuild(leaves, treedef, nodes, placed), set(placed)
+
+
+def _rebuild(leaves: list[Leaf], treedef: Any, nodes: list[Any], placed: dict[Path, jax.Array]):
+  """The target tree with the placed leaves' values set (the others left as they are)."""
   out = []
   for leaf, node in zip(leaves, nodes):
     if leaf.path not in placed:
@@ -392,7 +404,7 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
       out.append(node.replace(placed[leaf.path]))
     else:
       out.append(placed[leaf.path])
-  return jax.tree_util.tree_unflatten(treedef, out), set(placed)
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _stack(values: list[jax.Array], dtypes: list[np.dtype], mesh: Mesh) -> list[jax.Array]:

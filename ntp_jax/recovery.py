@@ -26,8 +26,13 @@ import numpy as np
 
 from ntp_jax.collectives import transfer_schedule
 from ntp_jax.errors import ConfigError
-from ntp_jax.placement import (Leaf, Path, copy_of_replica, even_pieces, even_pieces_of, leaves_of,
-                               owner_layout)
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ntp_jax.mesh import DP, TP
+from ntp_jax.placement import (Leaf, Path, block_shape, copy_of_replica, even_pieces,
+                               even_pieces_of, leaves_of, owner_layout)
 
 KINDS = ("fail", "repair")
 
@@ -158,16 +163,22 @@ class PeerSource:
   Args:
     programs: the old plan's class programs (their state poisoned on ``dead``).
     dead: devices that failed (never read).
+    min_degree: the new plan's smallest TP degree: every target class then
+      asks for the same even split, and the old state is moved to it once.
 
   Raises (from ``read``):
     LookupError: some piece has no live copy in any replica (then the
       caller falls back to the last checkpoint).
   """
 
-  def __init__(self, programs: list, dead: set[jax.Device]):
+  def __init__(self, programs: list, dead: set[jax.Device], min_degree: int | None = None):
     self.programs = programs
     self.dead = dead
+    self.min_degree = min_degree
     self.copied_bytes = 0  # bytes copied between devices for the new plan
+    self._leaves: dict[int, dict[Path, Leaf]] = {}
+    self._node_index: dict[int, dict[Path, Any]] = {}
+    self._moved: dict[Any, Any] = {}
 
   def paths(self) -> None:
     return None
@@ -199,18 +210,81 @@ class PeerSource:
     return None
 
   def _leaf_in(self, program, path: Path) -> Leaf:
-    leaves = getattr(program, "_leaves", None)
-    if leaves is None:
-      leaves = {leaf.path: leaf for leaf in leaves_of(
-          {"params": program.params, "opt_state": program.opt_state})[0]}
-      program._leaves = leaves
-    return leaves[path]
+    return self._leaves_by_path(program)[path]
+
+  def _pieces_of(self, program, wanted: dict[Path, int]):
+    """``placement.even_pieces_of`` of ``program``'s state, memoised: the target classes
+    of the new plan ask for the same split, and the old state moves to it once."""
+    key = (id(program), frozenset(wanted.items()))
+    if key not in self._moved:
+      state = {"params": program.params, "opt_state": program.opt_state}
+      if wanted:
+        self._moved[key] = even_pieces_of(state, program.mesh, wanted)
+      else:  # unsplit leaves only: nothing to move
+        leaves, _, nodes = leaves_of(state)
+        self._moved[key] = (leaves, nodes, {})
+    return self._moved[key]
+
+  def in_place(self, leaves: list[Leaf], mesh) -> dict[Path, jax.Array] | None:
+    """A target class whose every replica is an old replica, on the same devices and
+    with the same layouts, all alive: its state stays where it is (no copy, no
+    program). Returns ``path -> array`` in the class sharding, or None."""
+    rows = []
+    for target_row in mesh.devices:
+      if any(d in self.dead for d in target_row):
+        return None
+      match = next(((program, r) for program in self.programs
+                    for r, row in enumerate(program.mesh.devices)
+                    if tuple(row) == tuple(target_row)), None)
+      if match is None:
+        return None
+      rows.append(match)
+    for program, _ in rows:
+      for leaf in leaves:
+        old = self._leaves_by_path(program).get(leaf.path)
+        if old is None or (old.layout, old.axis, old.shape, old.dtype, old.stacked) != (
+            leaf.layout, leaf.axis, leaf.shape, leaf.dtype, leaf.stacked):
+          return None
+    replicas, degree = mesh.devices.shape
+    out = {}
+    for leaf in leaves:
+      if leaf.layout is not None:
+        shape, spec = (replicas, degree) + block_shape(leaf), P(DP, TP)
+      elif leaf.stacked:
+        shape, spec = (replicas,) + leaf.shape, P(DP)
+      else:
+        shape, spec = leaf.shape, P()
+      pieces = []
+      for (program, _), target_row in zip(rows, mesh.devices):
+        node = self._nodes(program)[leaf.path]
+        value = node.get_value() if isinstance(node, nnx.Variable) else node
+        by_device = {s.device: s.data for s in value.addressable_shards}
+        pieces += [by_device[d] for d in target_row]
+      out[leaf.path] = jax.make_array_from_single_device_arrays(
+          shape, NamedSharding(mesh, spec), pieces)
+    return out
+
+  def _leaves_by_path(self, program) -> dict[Path, Leaf]:
+    if id(program) not in self._leaves:
+      self._index(program)
+    return self._leaves[id(program)]
+
+  def _nodes(self, program) -> dict[Path, Any]:
+    if id(program) not in self._node_index:
+      self._index(program)
+    return self._node_index[id(program)]
+
+  def _index(self, program) -> None:
+    leaves, _, nodes = leaves_of({"params": program.params, "opt_state": program.opt_state})
+    self._leaves[id(program)] = {leaf.path: leaf for leaf in leaves}
+    self._node_index[id(program)] = {leaf.path: node for leaf, node in zip(leaves, nodes)}
 
   def pieces(self, leaf: Leaf) -> int:
-    """Even pieces for ``leaf``: a split both the source class and the target can hold."""
+    """Even pieces for ``leaf``: a split the source class and every target class can hold."""
     n = leaf.layout.size
+    target = min(leaf.layout.degree, self.min_degree or leaf.layout.degree)
     for program in self.programs:
-      k = even_pieces(n, min(program.replica_class.degree, leaf.layout.degree))
+      k = even_pieces(n, min(program.replica_class.degree, target))
       if self._choose(leaf, k) is not None:
         return k
     return even_pieces(n, leaf.layout.degree)
@@ -238,15 +312,16 @@ class PeerSource:
       plans[path] = (choice, k)
     moved_by_program = {}
     for program in {id(c[0][0]): c[0][0] for c in plans.values()}.values():
-      wanted = {p: k for p, ((prog, _), k) in plans.items() if prog is program}
-      moved_by_program[id(program)] = even_pieces_of(
-          {"params": program.params, "opt_state": program.opt_state}, program.mesh, wanted)
+      wanted = {p: k for p, ((prog, _), k) in plans.items()
+                if prog is program and self._leaf_in(prog, p).layout is not None}
+      leaves, nodes, moved = self._pieces_of(program, wanted)
+      moved_by_program[id(program)] = ({leaf.path: (leaf, node)
+                                        for leaf, node in zip(leaves, nodes)}, moved)
     out = {}
     for path, request in requests.items():
       (program, rows), k = plans[path]
-      leaves, nodes, moved = moved_by_program[id(program)]
-      index = [leaf.path for leaf in leaves].index(path)
-      leaf, node = leaves[index], nodes[index]
+      by_path, moved = moved_by_program[id(program)]
+      leaf, node = by_path[path]
       target = request.sharding.mesh.devices  # [target replicas, k]
       by_device = ({s.device: s.data for s in moved[path].addressable_shards}
                    if leaf.layout is not None else {})

@@ -52,6 +52,22 @@ def test_live_failure_and_repair_keep_the_losses_and_the_degrees(workdir, tmp_pa
   assert os.path.getsize(os.path.join(str(workdir), "goodput.png")) > 10_000
 
 
+def test_a_failure_detector_hook_drives_the_same_recovery(workdir, tmp_path, uninterrupted):
+  from ntp_jax.recovery import DeviceFailure, Event
+
+  def detector(step):
+    if step == 20:
+      raise DeviceFailure(0, 3)  # as a health check that lost a device would
+    return [Event(30, False, "repair", 0, 3)] if step == 30 else []
+
+  config = tiny_config(workdir, **{"train.steps": 40, **MESH})
+  config.checkpoint.every = 0
+  result = train(config, detector=detector, **QUIET)
+  np.testing.assert_allclose(result["losses"], uninterrupted, rtol=1e-5)
+  degrees = [r["tp_degrees"] for r in read_metrics(result["metrics_path"])]
+  assert degrees[19:21] == [[4, 4], [3, 4]] and degrees[30] == [4, 4]
+
+
 def test_restart_path_and_a_failure_inside_a_step_give_the_same_losses(workdir, tmp_path,
                                                                        uninterrupted):
   result = run(workdir, tmp_path, **{"ntp.fail_at": "20.mid@0:3", "ntp.repair_at": "30@0:3",
