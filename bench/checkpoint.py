@@ -71,7 +71,9 @@ def run_steps(cfg, config, plan, job, steps, first, store=None):
     start = time.perf_counter()
     float(job(batch(cfg, config, plan.global_batch, step))["loss"])
     if store is not None:
-      stalls.append(store.save(step + 1, logical_state(job.programs), {"data_cursor": 0}))
+      held = time.perf_counter()
+      store.save(step + 1, logical_state(job.programs), {"data_cursor": 0})
+      stalls.append(time.perf_counter() - held)
     times.append(time.perf_counter() - start)
   return statistics.median(times), statistics.median(stalls) if stalls else 0.0
 

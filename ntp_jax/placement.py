@@ -299,18 +299,53 @@ def read_logical(state: Any, mesh: Mesh, replica: int = 0) -> dict[Path, jax.Arr
   """
   leaves, nodes, moved = even_pieces_of(state, mesh)
   row = mesh.devices[replica]
+  split = [leaf for leaf in leaves if leaf.layout is not None]
+  blocks = {leaf.path: _per_device(moved[leaf.path]) for leaf in split}
+  # Drop the [1, 1] lead of every piece: one dispatch per device, not one per piece.
+  pieces = per_device_map(_drop_lead, {
+      (leaf.path, j): blocks[leaf.path][row[j]] for leaf in split for j in range(leaf.pieces)})
   out = {}
   for leaf, node in zip(leaves, nodes):
     if leaf.layout is not None:
-      by_device = _per_device(moved[leaf.path])
-      pieces = [by_device[d].reshape(leaf.piece_shape) for d in row[:leaf.pieces]]
       out[leaf.path] = jax.make_array_from_single_device_arrays(
-          leaf.shape, leaf.piece_sharding(row[:leaf.pieces]), pieces)
+          leaf.shape, leaf.piece_sharding(row[:leaf.pieces]),
+          [pieces[(leaf.path, j)] for j in range(leaf.pieces)])
     else:
       piece = copy_of_replica(node, leaf, row[0], replica)
       out[leaf.path] = jax.make_array_from_single_device_arrays(
           leaf.shape, leaf.piece_sharding(row[:1]), [piece])
   return out
+
+
+def per_device_map(fn: Callable[[jax.Array], jax.Array], arrays: dict[Any, jax.Array]
+                   ) -> dict[Any, jax.Array]:
+  """``fn`` applied to many single-device arrays: one jitted call per device.
+
+  Reshaping hundreds of small buffers one by one costs a dispatch each (and,
+  on first use, a compilation per shape and device); grouped by device it is
+  one program per device.
+  """
+  by_device: dict[jax.Device, list[Any]] = {}
+  for key, array in arrays.items():
+    by_device.setdefault(next(iter(array.devices())), []).append(key)
+  out = {}
+  for keys in by_device.values():
+    results = _mapped(fn)([arrays[k] for k in keys])
+    out.update(zip(keys, results))
+  return out
+
+
+@functools.lru_cache(maxsize=8)
+def _mapped(fn):
+  return jax.jit(lambda xs: [fn(x) for x in xs])
+
+
+def _drop_lead(x: jax.Array) -> jax.Array:
+  return x[0, 0]
+
+
+def _add_lead(x: jax.Array) -> jax.Array:
+  return x[None, None]
 
 
 def copy_of_replica(node: Any, leaf: Leaf, device: jax.Device, replica: int) -> jax.Array:
@@ -366,11 +401,15 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
   placed: dict[Path, jax.Array] = {}
 
   if split:
+    lifted: dict[Path, dict[jax.Device, jax.Array]] = {}
+    for (path, device), x in per_device_map(_add_lead, {
+        (leaf.path, d): x for leaf in split if leaf.path not in blocks
+        for d, x in _per_device(arrays[leaf.path]).items()}).items():
+      lifted.setdefault(path, {})[device] = x
     inputs = []
     for leaf in split:
       block = (1, 1) + leaf.piece_shape
-      by_device = blocks.get(leaf.path) or {
-          d: x.reshape(block) for d, x in _per_device(arrays[leaf.path]).items()}
+      by_device = blocks.get(leaf.path) or lifted[leaf.path]
       pieces = []
       for row in mesh.devices:
         for j, device in enumerate(row):
