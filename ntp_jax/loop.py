@@ -179,7 +179,8 @@ class TrainingRun:
     batch = self.dataset.sequences(self.cursor, plan.global_batch)
     start = time.perf_counter()
     metrics = self.job_step(batch)
-    loss = float(metrics["loss"])  # blocks until the step is done
+    # Both block: with several classes the loss is ready before the update is done.
+    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
     elapsed = time.perf_counter() - start
     if not np.isfinite(loss):
       raise FloatingPointError(f"loss is {loss} at step {self.step}; lower train.lr")
@@ -194,7 +195,7 @@ class TrainingRun:
     self.cursor += plan.global_batch
     record = {"step": self.step, "loss": loss, "tokens": tokens, "step_time_s": elapsed,
               "tp_degree": min(degrees), "tp_degrees": degrees,
-              "grad_norm": float(metrics["grad_norm"]), "global_batch": plan.global_batch,
+              "grad_norm": grad_norm, "global_batch": plan.global_batch,
               "data_cursor": self.cursor, "time": time.time()}
     self.step += 1
     self.furthest = max(self.furthest, self.step)
