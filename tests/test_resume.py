@@ -56,7 +56,7 @@ def test_resume_onto_a_reduced_replica_matches_the_uninterrupted_run(data_workdi
   assert [r["step"] for r in records] == list(range(40))
   assert [r["tp_degrees"] for r in records[19:21]] == [[4, 4], [4, 3]]
   events = [r["event"] for r in read_records(resumed["metrics_path"]) if "event" in r]
-  assert events[-2:] == ["start", "resume"]
+  assert events[-4:] == ["start", "end", "resume", "end"]
 
 
 def test_every_sequence_once_when_the_plan_loses_devices(data_workdir, tmp_path, monkeypatch):
