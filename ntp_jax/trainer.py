@@ -180,26 +180,17 @@ def train(config, *, log=print, detector=None) -> dict[str, Any]:
   if config.checkpoint.every:
     checkpoints = Checkpoints(checkpoint_dir(config), keep=config.checkpoint.keep,
                               field="checkpoint.dir" if config.checkpoint.dir else "workdir")
-  start_step, cursor, source = 0, 0, None
-  latest = checkpoints.latest_step() if checkpoints and config.checkpoint.resume else None
-  if latest is not None:
-    meta = checkpoints.meta(latest)
-    check_same_data(config, meta, checkpoints.step_dir(latest), log)
-    start_step, cursor, source = latest, int(meta["data_cursor"]), checkpoints.source(latest)
-    log(f"resuming from step {latest} of {checkpoints.step_dir(latest)}")
-    log(f"  written under: {describe_written_plan(meta['plan'])}")
-    if start_step >= config.train.steps:
-      log(f"step {start_step} already reached train.steps={config.train.steps}; nothing to do")
+  try:
+    start_step, cursor, source, plan, events = _resume_point(
+        config, cfg, checkpoints, plan, events, failed, log)
+  except BaseException:
+    if checkpoints is not None:  # orbax's threads must stop before the process ends
       checkpoints.close()
-      return {"losses": [], "plan": plan, "programs": [], "start_step": start_step,
-              "interrupted": False, "checkpoint": checkpoints.step_dir(latest),
-              "metrics_path": metrics_path}
-    # Events before the resumed step have happened: start from their failed set.
-    past = [e for e in events if e.step < start_step]
-    for e in sorted(past):
-      (failed.add if e.kind == "fail" else failed.discard)((e.replica, e.slot))
-    events = [e for e in events if e.step >= start_step]
-    plan = make_plan_from(config, cfg, failed_text(failed))
+    raise
+  if start_step is None:
+    return {"losses": [], "plan": plan, "programs": [], "start_step": cursor,
+            "interrupted": False, "checkpoint": checkpoints.step_dir(cursor),
+            "metrics_path": metrics_path}
   log(plan.describe())
 
   def interrupted_summary():
@@ -219,6 +210,34 @@ def train(config, *, log=print, detector=None) -> dict[str, Any]:
     finally:
       if checkpoints is not None:
         checkpoints.close()
+
+
+def _resume_point(config, cfg, checkpoints, plan, events, failed, log):
+  """Where the run starts: ``(step, data cursor, source, plan, events)``.
+
+  From the latest checkpoint when there is one (and ``checkpoint.resume``):
+  the plan then also counts the events before that step (``failed`` is
+  updated in place). A run that already reached ``train.steps`` returns
+  ``(None, that step, ...)`` and its checkpoints are closed.
+  """
+  start_step, cursor, source = 0, 0, None
+  latest = checkpoints.latest_step() if checkpoints and config.checkpoint.resume else None
+  if latest is not None:
+    meta = checkpoints.meta(latest)
+    check_same_data(config, meta, checkpoints.step_dir(latest), log)
+    start_step, cursor, source = latest, int(meta["data_cursor"]), checkpoints.source(latest)
+    log(f"resuming from step {latest} of {checkpoints.step_dir(latest)}")
+    log(f"  written under: {describe_written_plan(meta['plan'])}")
+    if start_step >= config.train.steps:
+      log(f"step {start_step} already reached train.steps={config.train.steps}; nothing to do")
+      checkpoints.close()
+      return None, start_step, None, plan, events
+    # Events before the resumed step have happened: start from their failed set.
+    for e in sorted(e for e in events if e.step < start_step):
+      (failed.add if e.kind == "fail" else failed.discard)((e.replica, e.slot))
+    events = [e for e in events if e.step >= start_step]
+    plan = make_plan_from(config, cfg, failed_text(failed))
+  return start_step, cursor, source, plan, events
 
 
 def make_plan_from(config, cfg: GPTConfig, failed: str) -> Plan:
