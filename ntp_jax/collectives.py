@@ -46,6 +46,27 @@ def tp_max(x: jax.Array) -> jax.Array:
   return jax.lax.pmax(jax.lax.stop_gradient(x), TP)
 
 
+def copy_shared_from_last(x_blk: jax.Array, layout: Layout, axis: int) -> jax.Array:
+  """Give every slot the last slot's copy of the shared units (``Layout.shared_units``).
+
+  Args:
+    x_blk: local block, ``layout.block`` long on ``axis``, whose shared region
+      holds data on the last slot only (as after a move into ``owner_layout``).
+    layout: the block's layout. axis: the block axis.
+
+  Returns:
+    ``x_blk`` with the shared region equal on every slot (a masked all-reduce);
+    unchanged when the layout has no shared units.
+  """
+  if not layout.shared_units:
+    return x_blk
+  start = layout.own_block_units * layout.unit_size
+  last = slot_position() == layout.degree - 1
+  shared = jax.lax.slice_in_dim(x_blk, start, layout.block, axis=axis)
+  shared = tp_sum(jnp.where(last, shared, jnp.zeros((), shared.dtype)))
+  return jnp.concatenate([jax.lax.slice_in_dim(x_blk, 0, start, axis=axis), shared], axis=axis)
+
+
 def all_gather_uneven(x_blk: jax.Array, layout: Layout, axis: int = -1) -> jax.Array:
   """All-gather padded blocks into the logical array, on every device.
 

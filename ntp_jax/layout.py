@@ -239,3 +239,16 @@ def units_of(dim: int, granularity: int, field: str) -> int:
     raise ConfigError(f"{field}: granularity {granularity} does not divide {dim}")
   return dim // granularity
 
+
+def owner_layout(layout: Layout) -> Layout:
+  """``layout`` with its shared units owned by the last slot alone (after its own run).
+
+  Shared units are the last units in logical order and every slot's block
+  ends with them; counting them on the last slot makes the split a set of
+  contiguous runs that ``reshard_uneven`` can move. The block is unchanged.
+  """
+  if not layout.shared_units:
+    return layout
+  units = layout.units[:-1] + (layout.units[-1] + layout.shared_units,)
+  return Layout(tp=layout.tp, live_slots=layout.live_slots, units=units,
+                unit_size=layout.unit_size)

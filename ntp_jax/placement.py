@@ -40,9 +40,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.collectives import reshard_uneven, slot_position, tp_sum
+from ntp_jax.collectives import copy_shared_from_last, reshard_uneven
 from ntp_jax.layers.params import TPParam
-from ntp_jax.layout import Layout
+from ntp_jax.layout import Layout, owner_layout
 from ntp_jax.mesh import DP, TP
 
 Path = tuple[str, ...]
@@ -138,20 +138,6 @@ def even_pieces(n: int, degree: int) -> int:
   return max(k for k in range(1, max(1, min(n, degree)) + 1) if n % k == 0)
 
 
-def owner_layout(layout: Layout) -> Layout:
-  """``layout`` with its shared units owned by the last slot alone (after its own run).
-
-  Shared units are the last units in logical order and every slot's block
-  ends with them; counting them on the last slot makes the split a set of
-  contiguous runs that ``reshard_uneven`` can move. The block is unchanged.
-  """
-  if not layout.shared_units:
-    return layout
-  units = layout.units[:-1] + (layout.units[-1] + layout.shared_units,)
-  return Layout(tp=layout.tp, live_slots=layout.live_slots, units=units,
-                unit_size=layout.unit_size)
-
-
 def leaves_of(state: Any) -> tuple[list[Leaf], Any, list[Any]]:
   """Logical description of every leaf of a class state.
 
@@ -227,14 +213,8 @@ def _transfer_program(split: tuple[Leaf, ...], mesh: Mesh, to_blocks: bool) -> C
     if not to_blocks:  # [..., block, ...] -> [..., n/k, ...]
       return reshard_uneven(x, owner_layout(leaf.layout), leaf.even_layout, axis)
     layout = leaf.layout  # [..., n/k, ...] -> [..., block, ...]
-    y = reshard_uneven(x, leaf.even_layout, owner_layout(layout), axis)
-    if layout.shared_units:  # every slot holds the shared units: copy the last slot's
-      start = layout.own_block_units * layout.unit_size
-      last = slot_position() == layout.degree - 1
-      shared = jax.lax.slice_in_dim(y, start, layout.block, axis=axis)
-      shared = tp_sum(jnp.where(last, shared, jnp.zeros((), shared.dtype)))
-      y = jnp.concatenate([jax.lax.slice_in_dim(y, 0, start, axis=axis), shared], axis=axis)
-    return y
+    return copy_shared_from_last(reshard_uneven(x, leaf.even_layout, owner_layout(layout), axis),
+                                 layout, axis)
 
   def body(*blocks):
     out: list[Any] = [None] * len(split)

@@ -38,9 +38,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.collectives import reshard_uneven, slot_position, tp_sum, transfer_schedule
+from ntp_jax.collectives import (copy_shared_from_last, reshard_uneven, slot_position,
+                                 tp_sum, transfer_schedule)
 from ntp_jax.layers.params import TPParam
-from ntp_jax.layout import Layout, apportion
+from ntp_jax.layout import Layout, apportion, owner_layout
 
 REPLICA = "replica"  # axis of the sync mesh: every live replica
 PEER = "peer"  # axis of the sync mesh: core slot position (peer group)
@@ -65,9 +66,7 @@ def flat_layout(layout: Layout, other: int) -> Layout:
   slot, right after its own run; the other slots' copies are treated as
   padding (``to_sync_blocks`` zeroes them).
   """
-  units = layout.units[:-1] + (layout.units[-1] + layout.shared_units,)
-  return Layout(tp=layout.tp, live_slots=layout.live_slots, units=units,
-                unit_size=layout.unit_size * other)
+  return owner_layout(layout).with_unit_size(layout.unit_size * other)
 
 
 def _last_slot_keeps_shared(value: jax.Array, layout: Layout, axis: int) -> jax.Array:
@@ -136,14 +135,7 @@ def from_sync_blocks(blocks: dict, template: nnx.State, degree: int, t_min: int)
       src = flat_layout(v.tp_layout, int(np.prod(moved_shape[1:])))
       run = reshard_uneven(block[0], sync_layout(src, t_min), src, 0)
       value = jnp.moveaxis(run.reshape(moved_shape), 0, v.tp_axis)[None]
-      if v.tp_layout.shared_units:  # copy the shared units from the last slot to all
-        layout, axis = v.tp_layout, 1 + v.tp_axis
-        start = layout.own_block_units * layout.unit_size
-        last = slot_position() == layout.degree - 1
-        shared = jax.lax.slice_in_dim(value, start, layout.block, axis=axis)
-        shared = tp_sum(jnp.where(last, shared, jnp.zeros((), shared.dtype)))
-        value = jnp.concatenate([jax.lax.slice_in_dim(value, 0, start, axis=axis), shared],
-                                axis=axis)
+      value = copy_shared_from_last(value, v.tp_layout, 1 + v.tp_axis)
     else:
       shape = v.get_value().shape
       numel = int(np.prod(shape))

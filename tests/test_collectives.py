@@ -7,9 +7,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from layer_check import global_to_logical, mesh_for, split_to_global
-from ntp_jax.collectives import (all_gather_uneven, reduce_scatter_uneven, reshard_uneven,
-                                 transfer_schedule)
-from ntp_jax.layout import make_layout
+from ntp_jax.collectives import (all_gather_uneven, copy_shared_from_last, reduce_scatter_uneven,
+                                 reshard_uneven, transfer_schedule)
+from ntp_jax.layout import make_layout, owner_layout
 from ntp_jax.sync import sync_layout
 from tp_cases import TP_GROUPS, group_id
 
@@ -106,3 +106,25 @@ def test_72_and_70_slots_sync_layout_shapes_and_content(failed):
       np.testing.assert_array_equal(moved[j, :n], x[o:o + n])
     # Peer-group buffers have one shape whatever the replica's degree.
     assert dst.block == sync_layout(make_layout(num_units, 72, unit_size=unit_size), t_min).block
+
+
+@pytest.mark.parametrize("tp,failed", [(8, (3,)), (3, ()), (8, (0, 7))])
+def test_copy_shared_from_last_equals_the_padded_blocks(tp, failed):
+  """8 KV groups on 7, 3 and 6 slots: blocks holding the shared units on the last slot only
+  (``owner_layout``) become, after the copy, the padded blocks of the logical array."""
+  layout = make_layout(8, tp, failed=failed, unit_size=2, share_remainder=True)
+  assert layout.shared_units
+  x = _slot_encoded(layout)
+  owned = split_to_global(x, owner_layout(layout))  # shared units once, on the last slot
+  fn = jax.jit(jax.shard_map(lambda b: copy_shared_from_last(b, layout, axis=-1),
+                             mesh=mesh_for(layout), in_specs=P(None, "tp"),
+                             out_specs=P(None, "tp")))
+  out = fn(owned)
+  np.testing.assert_array_equal(out, split_to_global(x, layout))
+  np.testing.assert_array_equal(global_to_logical(out, layout), x)
+  # Gradient: each shared entry's cotangent, summed over the slots, lands on the last slot.
+  cot = jax.random.normal(jax.random.key(1), out.shape)
+  grad = jax.grad(lambda b: jnp.sum(fn(b) * cot))(owned)
+  dense = jax.grad(lambda b: jnp.sum(split_to_global(global_to_logical(b, owner_layout(layout)),
+                                                     layout) * cot))(owned)
+  np.testing.assert_allclose(grad, dense, rtol=1e-6)
