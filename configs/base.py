@@ -24,7 +24,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.ffn_granularity = 1  # MLP columns per shard unit
   c.model.vocab_granularity = 1  # vocabulary rows per shard unit
   c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
-  c.model.param_dtype = "float32"  # parameter storage dtype
+  c.model.param_dtype = "float32"  # parameter storage dtype (fp32 master weights; Adam moments follow)
+  c.model.scan_layers = True  # decoder blocks under jax.lax.scan: compile time flat in depth
+  c.model.remat = "none"  # rematerialisation per block: none | full | dots_saveable | dots_with_no_batch_dims_saveable
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.tp = 8  # slots per TP group (devices per scale-up domain)

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ntp_jax.layers import (Attention, ColumnParallelLinear, RMSNorm, SwiGLU, VocabParallelEmbed,
-                            rope_angles, vocab_parallel_cross_entropy)
+from ntp_jax.layers import (REMAT_POLICIES, Attention, ColumnParallelLinear, RMSNorm, SwiGLU,
+                            VocabParallelEmbed, rope_angles, run_layers, stack_layers,
+                            vocab_parallel_cross_entropy)
 from ntp_jax.errors import ConfigError
 from ntp_jax.layout import Layout, make_layout, units_of
 
@@ -40,6 +41,8 @@ class GPTConfig:
   vocab_granularity: int = 1  # vocabulary rows per shard unit
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"  # storage dtype of parameters
+  scan_layers: bool = True  # blocks under jax.lax.scan (False: unrolled, for cost analysis)
+  remat: str = "none"  # per-block rematerialisation policy (ntp_jax.layers.REMAT_POLICIES)
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -57,6 +60,9 @@ class GPTConfig:
       if getattr(self, name) not in _DTYPES:
         raise ConfigError(f"model.{name}: unknown dtype {getattr(self, name)!r}; "
                          f"choose one of {sorted(_DTYPES)}")
+    if self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"model.remat: unknown policy {self.remat!r}; choose one of "
+                        f"{', '.join(REMAT_POLICIES)}")
 
   @classmethod
   def from_config(cls, model_cfg) -> GPTConfig:
@@ -125,7 +131,10 @@ class GPT(nnx.Module):
   """Llama-style decoder over one TP group's layouts.
 
   ``__call__`` and ``loss_sum`` run inside a ``shard_map`` body (see
-  ``ntp_jax.shard``) and see this device's blocks.
+  ``ntp_jax.shard``) and see this device's blocks. The decoder blocks are one
+  stacked module (``ntp_jax.layers.stack_layers``): each block parameter has a
+  layer axis, e.g. ``blocks.attn.wq.kernel`` is logically
+  ``[n_layers, d_model, n_heads * head_dim]``.
   """
 
   def __init__(self, cfg: GPTConfig, layouts: ModelLayouts, *, rngs: nnx.Rngs):
@@ -133,7 +142,7 @@ class GPT(nnx.Module):
     self.layouts = layouts
     kw = dict(dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype)
     self.embed = VocabParallelEmbed(layouts.vocab, cfg.d_model, rngs=rngs, **kw)
-    self.blocks = nnx.List([DecoderBlock(cfg, layouts, rngs=rngs) for _ in range(cfg.n_layers)])
+    self.blocks = stack_layers(lambda r: DecoderBlock(cfg, layouts, rngs=r), cfg.n_layers, rngs)
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
     self.head = ColumnParallelLinear(cfg.d_model, layouts.vocab, rngs=rngs, **kw)
 
@@ -142,8 +151,7 @@ class GPT(nnx.Module):
     positions = jnp.arange(tokens.shape[-1])[None, :]
     cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
     x = self.embed(tokens)  # [b, s, d] replicated over the TP group
-    for block in self.blocks:
-      x = block(x, cos, sin)
+    x = run_layers(self.blocks, x, cos, sin, scan=self.cfg.scan_layers, remat=self.cfg.remat)
     return self.head(self.final_norm(x))
 
   def loss_sum(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:

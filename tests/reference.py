@@ -51,7 +51,7 @@ def cross_entropy(logits, labels):
 def gpt_logits(p, tokens, cfg):
   x = p["embed"]["embedding"][tokens]
   for i in range(cfg.n_layers):
-    blk = p["blocks"][i]
+    blk = jax.tree.map(lambda a, i=i: a[i], p["blocks"])  # stacked: layer axis first
     h = rmsnorm(x, blk["attn_norm"]["scale"], cfg.norm_eps)
     x = x + attention(h, blk["attn"], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta)
     h = rmsnorm(x, blk["mlp_norm"]["scale"], cfg.norm_eps)

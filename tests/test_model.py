@@ -40,8 +40,36 @@ def test_gpt_loss_and_gradient_match_dense_reference(group):
   jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6),
                to_logical(grads), ref_grads)
   # Per-device shards have the padded-block shape.
-  kernel = params["blocks"][0]["mlp"]["gate"]["kernel"].get_value()
-  assert {s.data.shape for s in kernel.addressable_shards} == {(1, 16, layouts.ffn.block)}
+  kernel = params["blocks"]["mlp"]["gate"]["kernel"].get_value()
+  assert {s.data.shape for s in kernel.addressable_shards} == {
+      (1, CFG.n_layers, 16, layouts.ffn.block)}
+
+
+@pytest.mark.parametrize("scan,remat", [(True, "full"), (False, "none"),
+                                        (True, "dots_with_no_batch_dims_saveable")])
+def test_scanned_unrolled_and_rematerialised_blocks_match_dense_reference(scan, remat):
+  import dataclasses
+  cfg = dataclasses.replace(CFG, n_layers=3, scan_layers=scan, remat=remat)
+  layouts = model_layouts(cfg, 8, (3,))  # 7 live slots: uneven heads (1 shared), MLP, vocab
+  mesh = class_mesh([0], [layouts.heads.live_slots], 8)
+  graphdef, params = init_stacked_params(lambda: GPT(cfg, layouts, rngs=nnx.Rngs(1)), mesh, 1)
+  batch = _batch(cfg, 5, 6, seed=2)
+  loss, grads = jax.jit(make_loss_and_grad(graphdef, params, mesh, batch[:, 1:].size))(params, batch)
+  logical = to_logical(replica_view(params))
+  # Each layer drew its own weights.
+  wq = logical["blocks"]["attn"]["wq"]["kernel"]
+  assert wq.shape == (3, 16, 64) and not np.allclose(wq[0], wq[1])
+  ref_loss, ref_grads = jax.value_and_grad(ref.gpt_loss)(logical, batch[:, :-1], batch[:, 1:], cfg)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6),
+               to_logical(replica_view(grads)), ref_grads)
+
+
+def test_unknown_remat_policy_names_the_field():
+  import dataclasses
+  from ntp_jax.errors import ConfigError
+  with pytest.raises(ConfigError, match="model.remat: unknown policy 'ful'"):
+    dataclasses.replace(CFG, remat="ful")
 
 
 def test_same_seed_gives_same_logical_parameters_for_every_layout():
@@ -85,8 +113,8 @@ def test_gpt_8b_shapes_and_parameter_count_without_allocating():
   assert n == count_params(cfg)
   assert abs(n - 8.03e9) < 0.005e9, n
   # 8 KV heads on 7 slots: a padded block of 2 groups (4 query heads each, head_dim 128).
-  assert params["blocks"][0]["attn"]["wq"]["kernel"].get_value().shape == (7, 4096, 2 * 4 * 128)
-  assert params["blocks"][0]["mlp"]["gate"]["kernel"].get_value().shape == (7, 4096, 2048)
+  assert params["blocks"]["attn"]["wq"]["kernel"].get_value().shape == (7, 32, 4096, 2 * 4 * 128)
+  assert params["blocks"]["mlp"]["gate"]["kernel"].get_value().shape == (7, 32, 4096, 2048)
 
 
 def test_padding_stays_zero_after_optimizer_steps():

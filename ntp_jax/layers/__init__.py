@@ -13,9 +13,10 @@ from ntp_jax.layers.mlp import SwiGLU
 from ntp_jax.layers.norm import RMSNorm
 from ntp_jax.layers.params import TPParam, local_block, tp_param
 from ntp_jax.layers.rope import apply_rope, rope_angles
+from ntp_jax.layers.stack import REMAT_POLICIES, run_layers, stack_layers
 
 __all__ = [
-    "Attention", "ColumnParallelLinear", "RMSNorm", "RowParallelLinear", "SwiGLU", "TPParam",
-    "VocabParallelEmbed", "apply_rope", "local_block", "rope_angles", "tp_param",
-    "vocab_parallel_cross_entropy",
+    "Attention", "ColumnParallelLinear", "REMAT_POLICIES", "RMSNorm", "RowParallelLinear",
+    "SwiGLU", "TPParam", "VocabParallelEmbed", "apply_rope", "local_block", "rope_angles",
+    "run_layers", "stack_layers", "tp_param", "vocab_parallel_cross_entropy",
 ]

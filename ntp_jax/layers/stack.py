@@ -1,0 +1,104 @@
+"""Repeated layers with stacked parameters, run by ``jax.lax.scan`` under a remat policy.
+
+``n`` identical layers hold each parameter once, with a layer axis: a
+replicated variable is ``[n, ...]``; a ``TPParam`` keeps its slot axis first
+and is ``[degree, n, ...]`` (logical ``[n, ...]``, ``tp_axis`` one higher),
+so placement, checkpoints, the gradient sync and the optimizer treat it as
+any other split parameter. Running the stack under ``jax.lax.scan`` compiles
+the layer once: compile time and program size do not grow with depth.
+
+XLA's cost analysis counts a loop body once, so flop counts come from the
+unrolled form (``scan=False``), which runs the same parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ntp_jax.layers.params import TPParam
+
+# ``model.remat`` names -> what the backward pass keeps of each layer (``jax.checkpoint_policies``).
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,  # no rematerialisation: every intermediate kept
+    "full": jax.checkpoint_policies.nothing_saveable,  # only the layer's input; all recomputed
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,  # matmul outputs kept
+    "dots_with_no_batch_dims_saveable":
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # weight matmuls kept
+}
+
+
+def check_remat(name: str, field: str = "remat") -> None:
+  """Raises ValueError naming ``field`` when ``name`` is not in ``REMAT_POLICIES``."""
+  if name not in REMAT_POLICIES:
+    raise ValueError(f"{field}: unknown remat policy {name!r}; choose one of "
+                     f"{', '.join(REMAT_POLICIES)}")
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int,
+                 rngs: nnx.Rngs) -> nnx.Module:
+  """``n`` layers built by ``make_layer(rngs)`` as one module with stacked parameters.
+
+  Each layer draws its own parameters (the rngs are split ``n`` ways), so
+  the values do not depend on the layout, as for a single layer.
+
+  Returns:
+    A module of ``make_layer``'s type whose variables carry the layer axis
+    (see the module docstring); call it only through ``run_layers``.
+  """
+  @nnx.split_rngs(splits=n)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def create(rngs):
+    return make_layer(rngs)
+
+  layers = create(rngs)
+  for _, v in nnx.iter_graph(layers):
+    if isinstance(v, TPParam):  # slot axis back in front of the layer axis
+      v.set_value(jnp.moveaxis(v.get_value(), 0, 1))
+      v.set_metadata(tp_axis=v.tp_axis + 1)
+  return layers
+
+
+def run_layers(layers: nnx.Module, x: jax.Array, *args, scan: bool = True,
+               remat: str = "none") -> jax.Array:
+  """``x = layer(x, *args)`` for each layer of a ``stack_layers`` module, in order.
+
+  Call inside a ``shard_map`` body (local view: ``TPParam`` values
+  ``[1, n, ...]``).
+
+  Args:
+    layers: the stacked module.
+    x: the carried activation (same shape and dtype in and out).
+    args: passed unchanged to every layer (e.g. RoPE tables).
+    scan: ``jax.lax.scan`` over the layer axis; False unrolls a Python loop.
+    remat: a ``REMAT_POLICIES`` name, applied per layer with ``jax.checkpoint``.
+
+  Raises:
+    ValueError: unknown ``remat``.
+  """
+  check_remat(remat)
+  graphdef, state = nnx.split(layers)
+  # Layer axis first everywhere, so scan (or indexing) yields one layer's local view.
+  per_layer = jax.tree.map(
+      lambda v: v.replace(jnp.moveaxis(v.get_value(), 1, 0)) if isinstance(v, TPParam) else v,
+      state, is_leaf=_is_variable)
+
+  def apply(x, layer_state, *args):
+    return nnx.merge(graphdef, layer_state)(x, *args)
+
+  policy = REMAT_POLICIES[remat]
+  if remat != "none":
+    apply = jax.checkpoint(apply, policy=policy, prevent_cse=not scan)
+  if scan:
+    return jax.lax.scan(lambda h, s: (apply(h, s, *args), None), x, per_layer)[0]
+  n = jax.tree.leaves(per_layer)[0].shape[0]
+  for i in range(n):
+    x = apply(x, jax.tree.map(lambda a: a[i], per_layer), *args)
+  return x
