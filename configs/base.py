@@ -10,6 +10,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.workdir = "runs/default"  # metrics.jsonl, checkpoints, tokenizer and token cache go here
+  c.dry_run = False  # print the per-device memory and flops of the step (nothing allocated), then stop
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 4096  # vocabulary (BPE trained to this size on text corpora)

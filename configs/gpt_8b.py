@@ -13,9 +13,10 @@ def get_config():
   c.model.n_kv_heads = 8
   c.model.head_dim = 128
   c.model.d_ff = 14336
-  c.model.ffn_granularity = 2048  # 14336 = 7 x 2048: even on 7 slots
+  c.model.ffn_granularity = 256  # 14336 = 56 x 256: even on 8 and on 7 slots
   c.model.rope_theta = 500_000.0
-  c.model.dtype = "bfloat16"
+  c.model.dtype = "bfloat16"  # compute; parameters and Adam moments stay float32
+  c.model.remat = "full"  # without it one step's activations need ~1 TB per device (dry run)
   c.train.batch_size = 8
   c.train.seq_len = 8192
   c.train.lr = 3e-4

@@ -21,8 +21,18 @@ from ntp_jax.replica_class import ClassProgram, JobStep
 
 
 def compiled_flops(lowered: Any) -> float:
-  """Per-device flops of a lowered program (``jitted.lower(...)``)."""
-  analysis = lowered.compile().cost_analysis()
+  """Per-device flops of a lowered program (``jitted.lower(...)``).
+
+  Raises:
+    ValueError: the program has a loop (scanned layers): XLA's cost analysis
+      counts a loop body once; measure the unrolled model
+      (``model.scan_layers=False``) or see ``footprint.per_device_flops``.
+  """
+  compiled = lowered.compile()
+  if " while(" in compiled.as_text():
+    raise ValueError("cost analysis of a program with a loop counts its body once; "
+                     "measure the unrolled model (model.scan_layers=False)")
+  analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older JAX returns one dict per program
     analysis = analysis[0]
   return float(analysis.get("flops", 0.0))

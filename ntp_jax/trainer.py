@@ -7,6 +7,7 @@ sub-mesh of the job's devices.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any
@@ -15,16 +16,20 @@ import jax
 import numpy as np
 from flax import nnx
 
-from models.gpt import GPT, GPTConfig, model_layouts
+from models.gpt import GPT, GPTConfig, count_params, model_layouts
 from ntp_jax.checkpoint import Checkpoints
 from ntp_jax.goodput import plot_run
 from ntp_jax.loop import TrainingRun
 from ntp_jax.data import make_dataset
 from ntp_jax.errors import ConfigError
+from ntp_jax.footprint import (ClassFootprint, class_footprints, device_bytes, footprint_table,
+                               per_device_flops, resident_fraction, shortfall)
+from ntp_jax.mesh import class_mesh
 from ntp_jax.metrics import MetricsWriter
 from ntp_jax.optim import make_optimizer
 from ntp_jax.plan import Plan, make_plan, parse_failed
 from ntp_jax.recovery import Event, check_events, failed_text, parse_events
+from ntp_jax.replica_class import abstract_class_state, class_shardings
 from ntp_jax.report import parameter_table
 from ntp_jax.signals import StopSignals
 from ntp_jax.shard import replica_view
@@ -169,6 +174,10 @@ def train(config, *, log=print, detector=None) -> dict[str, Any]:
   devices = check_devices(plan)
   events, failed = events_from_config(config, plan)
   metrics_path = os.path.join(config.workdir, "metrics.jsonl")
+  footprints = check_footprint(config, cfg, plan, optimizer, devices, log)
+  if config.get("dry_run", False):
+    return {"losses": [], "plan": plan, "programs": [], "footprints": footprints,
+            "dry_run": True, "metrics_path": metrics_path}
 
   # The data first: a bad data.path stops here, before any checkpoint folder is touched.
   dataset = make_dataset(config.data.path or None, cfg.vocab_size, config.train.seq_len,
@@ -210,6 +219,78 @@ def train(config, *, log=print, detector=None) -> dict[str, Any]:
     finally:
       if checkpoints is not None:
         checkpoints.close()
+
+
+class ResourceError(ConfigError):
+  """The devices cannot hold the plan's step (one line saying what it needs)."""
+
+
+def make_gpt(cfg: GPTConfig, seed: int):
+  """``layouts -> GPT`` of ``cfg`` with parameters drawn from ``seed``."""
+  return lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(seed))
+
+
+def resident_bytes(plan: Plan, make_model, optimizer, devices) -> list[int]:
+  """Per class, bytes one device holds of parameters and optimizer state (shapes only)."""
+  out = []
+  for c in plan.classes:
+    mesh = class_mesh(c.replicas, c.live_slots, plan.tp, devices)
+    _, target = abstract_class_state(lambda: make_model(c.layouts), len(c.replicas), optimizer)
+    shardings = class_shardings(target, mesh)
+    out.append(device_bytes(jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)))
+  return out
+
+
+def footprint(config, cfg: GPTConfig, plan: Plan, optimizer, devices) -> list[ClassFootprint]:
+  """Per-device bytes and flops of every class's step (``ntp_jax.footprint``), allocating nothing.
+
+  Memory is that of the model as configured (scanned, rematerialised);
+  flops come from the unrolled model at 2 and 3 layers, extended to
+  ``model.n_layers`` (XLA counts a loop body once).
+  """
+  args = (optimizer, config.train.clip_norm, config.train.seq_len, devices)
+  footprints = class_footprints(plan, make_gpt(cfg, config.train.seed), *args)
+
+  def flops_at(n_layers):
+    small = dataclasses.replace(cfg, n_layers=n_layers, scan_layers=False)
+    return [f.flops for f in class_footprints(plan, make_gpt(small, config.train.seed), *args)]
+
+  flops = per_device_flops(flops_at, cfg.n_layers)
+  return [dataclasses.replace(f, flops=x) for f, x in zip(footprints, flops)]
+
+
+def check_footprint(config, cfg: GPTConfig, plan: Plan, optimizer, devices,
+                    log) -> list[ClassFootprint] | None:
+  """The memory and compute plan, before anything is allocated.
+
+  With ``dry_run`` it is printed and returned. Otherwise it is worked out
+  only when the resident state (parameters and optimizer state, from shapes)
+  takes more than a quarter of what the devices hold; then, if the step
+  cannot fit, it is printed and the run stops.
+
+  Raises:
+    ResourceError: the devices cannot hold the step; the line says what it
+      needs and what there is.
+  """
+  dry_run = config.get("dry_run", False)
+  resident = resident_bytes(plan, make_gpt(cfg, config.train.seed), optimizer, devices)
+  fraction = resident_fraction(plan, resident, devices)
+  if not dry_run and (fraction is None or fraction <= 0.25):
+    return None
+  footprints = footprint(config, cfg, plan, optimizer, devices)
+  tokens = plan.global_batch * config.train.seq_len
+  log(plan.describe())
+  log(footprint_table(footprints))
+  log(f"tokens per step: {tokens:,}; model flops per token "
+      f"(6 x parameters): {6 * count_params(cfg):.3e}")
+  problem = shortfall(footprints, devices)
+  if dry_run:
+    log(f"dry run: {problem or 'the devices can hold this plan'}")
+    return footprints
+  if problem:
+    raise ResourceError(problem)
+  return footprints
 
 
 def _resume_point(config, cfg, checkpoints, plan, events, failed, log):
@@ -254,7 +335,7 @@ def _run(config, cfg, optimizer, plan, devices, checkpoints, start_step, cursor,
   log(dataset.describe())
   writer = MetricsWriter(config.workdir)
   run = TrainingRun(config, make_plan=functools.partial(make_plan_from, config, cfg),
-                    make_model=lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(config.train.seed)),
+                    make_model=make_gpt(cfg, config.train.seed),
                     optimizer=optimizer, devices=devices, dataset=dataset,
                     checkpoints=checkpoints, writer=writer, log=log, failed=failed)
   try:

@@ -1,5 +1,6 @@
 """Executed flops per device (XLA cost analysis): healthy replicas pay nothing for a failure."""
 
+import dataclasses
 import functools
 
 import jax
@@ -25,8 +26,11 @@ def _job(cfg, tp, dp, failed, batch_size):
   return JobStep(plan, programs)
 
 
+UNROLLED = dataclasses.replace(SMALL, scan_layers=False)  # cost analysis counts a loop body once
+
+
 def _flops_by_class(failed):
-  job = _job(SMALL, 4, 2, failed, 8)
+  job = _job(UNROLLED, 4, 2, failed, 8)
   return {p.replica_class.degree: class_step_flops(job, p, SEQ) for p in job.programs}
 
 
@@ -51,9 +55,8 @@ def test_every_device_of_a_reduced_replica_executes_within_2_percent_of_its_own_
 
   Sizes chosen so every other split is even (d_ff 24 = 3 x 8, vocabulary 48).
   """
-  import dataclasses
   from ntp_jax.cost import own_shard_flops
-  cfg = dataclasses.replace(SMALL, d_ff=24, ffn_granularity=1, vocab_size=48)
+  cfg = dataclasses.replace(UNROLLED, d_ff=24, ffn_granularity=1, vocab_size=48)
   job = _job(cfg, 4, 2, "1:2", 8)  # shares 4 and 3: one row per slot for the shared groups
   reduced = [p for p in job.programs if p.replica_class.degree == 3][0]
   executed = class_step_flops(job, reduced, SEQ)
@@ -62,3 +65,9 @@ def test_every_device_of_a_reduced_replica_executes_within_2_percent_of_its_own_
     need = own_shard_flops(cfg, reduced.replica_class, position, SEQ, cache,
                            lambda model, degree, share: _job(model, degree, 1, "", share))
     assert executed <= 1.02 * need, (position, executed, need)
+
+
+def test_a_scanned_program_is_refused_not_miscounted():
+  job = _job(SMALL, 4, 1, "", 4)
+  with pytest.raises(ValueError, match="counts its body once"):
+    class_step_flops(job, job.programs[0], SEQ)

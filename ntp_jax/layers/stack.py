@@ -99,6 +99,10 @@ def run_layers(layers: nnx.Module, x: jax.Array, *args, scan: bool = True,
   if scan:
     return jax.lax.scan(lambda h, s: (apply(h, s, *args), None), x, per_layer)[0]
   n = jax.tree.leaves(per_layer)[0].shape[0]
+  # One split per parameter (its transpose is one concatenate), not n slices whose
+  # transposes would each add a full-size zero-padded gradient.
+  pieces = jax.tree.map(lambda a: jnp.split(a, n, axis=0), per_layer)
   for i in range(n):
-    x = apply(x, jax.tree.map(lambda a: a[i], per_layer), *args)
+    layer = jax.tree.map(lambda p: p[i][0], pieces, is_leaf=lambda p: isinstance(p, list))
+    x = apply(x, layer, *args)
   return x
