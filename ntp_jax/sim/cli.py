@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
+import textwrap
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,6 +23,26 @@ from ntp_jax.sim.timeline import availability_timeline
 
 
 _POLICY_NAMES = ", ".join(p.value for p in Policy)
+_FAILED_EXAMPLE = "3=1,17=2"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+  """Appends each option's default to its help, unless the help states it."""
+
+  def _get_help_string(self, action: argparse.Action) -> str:
+    help_text = action.help or ""
+    if action.required:
+      return f"{help_text} (required)"
+    if ("(default" in help_text or not action.option_strings
+        or action.default is argparse.SUPPRESS):
+      return help_text
+    if action.nargs == 0:  # a flag
+      return f"{help_text} (default: {'on' if action.default else 'off'})"
+    return help_text + " (default: %(default)s)"
+
+  def _split_lines(self, text: str, width: int) -> list[str]:
+    # As argparse, but without breaking option names such as --max-fraction at hyphens.
+    return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def _items(text: str) -> list[str]:
@@ -58,20 +80,22 @@ def _policy_list(text: str) -> tuple[Policy, ...]:
   return policies
 
 
-def _failed_pair(pair: str) -> tuple[int, int]:
-  try:
-    domain, count = pair.split(":")
-    return int(domain), int(count)
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-        f"{pair!r} is not domain:count (failed GPUs in a domain), e.g. 0:1,17:2") from None
+_FAILED_ITEM = re.compile(r"\s*(\d+)\s*=\s*(\d+)\s*", re.ASCII)
 
 
-def _failed_domains(text: str) -> dict[int, int]:
-  """Comma list of ``domain:count`` pairs to failed GPUs per domain (repeats add up)."""
+def _failed_per_domain(text: str) -> dict[int, int]:
+  """``DOMAIN=COUNT,...`` (COUNT failed GPUs in scale-up domain DOMAIN) to a dict."""
   failed = {}
-  for domain, count in map(_failed_pair, _items(text)):
-    failed[domain] = failed.get(domain, 0) + count
+  for item in _items(text):
+    match = _FAILED_ITEM.fullmatch(item)
+    if match is None:
+      raise argparse.ArgumentTypeError(
+          f"{item!r} is not DOMAIN=COUNT (COUNT failed GPUs in domain DOMAIN), "
+          f"e.g. {_FAILED_EXAMPLE}")
+    domain, count = map(int, match.groups())
+    if domain in failed:
+      raise argparse.ArgumentTypeError(f"domain {domain} is given twice in {text!r}")
+    failed[domain] = count
   return failed
 
 
@@ -84,7 +108,9 @@ def _common_parser() -> argparse.ArgumentParser:
   group.add_argument("--pp", type=int, default=8, help="domains (pipeline stages) per replica")
   group.add_argument("--blast-radius", type=int, default=1, help="GPUs lost per failure")
   group = parser.add_argument_group("policies")
-  group.add_argument("--policies", type=_policy_list, default=ALL_POLICIES,
+  # A string default goes through `type`, and --help shows it as typed.
+  group.add_argument("--policies", type=_policy_list,
+                     default=",".join(p.value for p in ALL_POLICIES),
                      help=f"comma list of {_POLICY_NAMES}")
   group.add_argument("--power-limit", type=float, default=0.3,
                      help="extra power of boosted GPUs, fraction of TDP (NTP-PW)")
@@ -95,15 +121,16 @@ def _common_parser() -> argparse.ArgumentParser:
   group.add_argument("--degrees", type=_int_list, default=None,
                      help="allowed reduced TP degrees, e.g. 32,30,28 (default: any)")
   group.add_argument("--local-batch", type=int, default=None,
-                     help="samples per healthy replica; shares round down to whole samples")
+                     help="samples per healthy replica; shares round down to whole samples "
+                          "(default: shares are not rounded)")
   group.add_argument("--no-pack", action="store_true",
                      help="fixed placement instead of packing failed domains together")
   group = parser.add_argument_group("output")
-  group.add_argument("--seed", type=int, default=0)
+  group.add_argument("--seed", type=int, default=0, help="seed of every random draw")
   group.add_argument("--format", choices=report.FORMATS, default="table",
                      help="what stdout gets")
   group.add_argument("--out", type=pathlib.Path, default=None,
-                     help="directory for CSV, JSON and PNG files")
+                     help="directory for CSV, JSON and PNG files (default: none, stdout only)")
   return parser
 
 
@@ -112,14 +139,18 @@ def _failure_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(add_help=False)
   group = parser.add_argument_group("failure model")
   group.add_argument("--rate", type=float, default=LLAMA3_FAILURES_PER_GPU_HOUR,
-                     help="failures per GPU-hour")
+                     help="failures per GPU-hour (default: %(default).3g, Llama 3)")
   group.add_argument("--rate-scale", type=float, default=1.0, help="multiplies --rate")
-  group.add_argument("--hardware-share", type=float, default=0.78)
-  group.add_argument("--hardware-repair-days", type=float, default=5.0)
-  group.add_argument("--software-repair-hours", type=float, default=3.0)
-  group.add_argument("--repair-distribution", choices=("fixed", "exponential"), default="fixed")
-  group.add_argument("--days", type=float, default=15.0, help="length of the timeline")
-  group.add_argument("--step-hours", type=float, default=1.0, help="time step")
+  group.add_argument("--hardware-share", type=float, default=0.78,
+                     help="fraction of failures that are hardware faults")
+  group.add_argument("--hardware-repair-days", type=float, default=5.0,
+                     help="repair time of a hardware fault, days")
+  group.add_argument("--software-repair-hours", type=float, default=3.0,
+                     help="repair time of a software fault, hours")
+  group.add_argument("--repair-distribution", choices=("fixed", "exponential"), default="fixed",
+                     help="repair times: fixed, or exponential with those means")
+  group.add_argument("--days", type=float, default=15.0, help="length of the timeline, days")
+  group.add_argument("--step-hours", type=float, default=1.0, help="time step, hours")
   return parser
 
 
@@ -127,10 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
   """The full argument parser."""
   common, failure = _common_parser(), _failure_parser()
   parser = argparse.ArgumentParser(
-      prog="python -m ntp_jax.sim",
-      description="Cluster-scale goodput of NTP, NTP-PW and DP-DROP under GPU failures.")
+      prog="python -m ntp_jax.sim", formatter_class=_HelpFormatter,
+      description="Cluster-scale goodput of NTP, NTP-PW and DP-DROP under GPU failures.",
+      epilog="Options of a command: python -m ntp_jax.sim COMMAND --help.")
   sub = parser.add_subparsers(dest="command", required=True)
-  sweep = sub.add_parser("sweep", parents=[common], help="loss against the failed fraction")
+
+  def add_command(name: str, parents: list, help_text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, parents=parents, help=help_text, description=help_text,
+                          formatter_class=_HelpFormatter)
+
+  sweep = add_command("sweep", [common], "loss against the failed fraction")
   sweep.add_argument("--fractions", type=_float_list, default=None,
                      help="comma list of failed fractions (default: --points up to --max-fraction)")
   sweep.add_argument("--max-fraction", type=float, default=4e-3,
@@ -139,19 +176,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="evenly spaced fractions from 0 to --max-fraction (default: %(default)s)")
   sweep.add_argument("--samples", type=int, default=1000, help="placements per fraction")
   sweep.add_argument("--spares", type=int, default=0, help="spare domains")
-  timeline = sub.add_parser("timeline", parents=[common, failure],
-                            help="availability over a failure timeline")
+  timeline = add_command("timeline", [common, failure], "availability over a failure timeline")
   timeline.add_argument("--spares", type=int, default=0, help="spare domains")
   timeline.add_argument("--threshold", type=float, default=1e-3,
                         help="report the share of time with more than this fraction failed")
-  spares = sub.add_parser("spares", parents=[common, failure],
-                          help="spare domains needed to keep a fixed mini-batch running")
+  spares = add_command("spares", [common, failure],
+                       "spare domains needed to keep a fixed mini-batch running")
   spares.add_argument("--max-spares", type=int, default=160,
                       help="most spare domains tried; spares_needed is - when even these "
                            "do not keep the job running (default: %(default)s)")
-  plan = sub.add_parser("plan", parents=[common], help="per-replica decisions for given failures")
-  plan.add_argument("--failed", required=True, type=_failed_domains,
-                    help="domain:count pairs, e.g. 0:1,17:2 (failed GPUs per domain)")
+  plan = add_command("plan", [common], "per-replica decisions for given failures")
+  plan.add_argument("--failed-per-domain", required=True, type=_failed_per_domain,
+                    metavar="DOMAIN=COUNT,...",
+                    help=f"failed GPUs per scale-up domain: {_FAILED_EXAMPLE} means 1 failed GPU "
+                         "in domain 3 and 2 in domain 17 (domains are numbered from 0 to "
+                         "gpus/tp - 1; these are not train.py's replica:slot pairs)")
   plan.add_argument("--all", action="store_true", help="list healthy replicas too")
   for command in sub.choices.values():
     command.set_defaults(command_parser=command)
@@ -174,12 +213,13 @@ def _failure_model(args) -> FailureModel:
 
 
 def _title(spec: ClusterSpec, args) -> str:
-  title = (f"{spec.num_gpus} GPUs, TP{spec.tp}, {spec.pp} domains/replica, "
-           f"blast {spec.blast_radius}, boost +{100 * args.power_limit:.0f}% TDP, seed {args.seed}")
+  title = (f"{report.count(spec.num_gpus)} GPUs, TP{spec.tp}, "
+           f"{report.count(spec.pp)} domains/replica, blast {report.count(spec.blast_radius)}, "
+           f"boost +{report.percent(100 * args.power_limit)}% TDP, seed {args.seed}")
   if args.degrees:
     title += ", degrees " + "/".join(map(str, args.degrees))
   if args.local_batch:
-    title += f", local batch {args.local_batch}"
+    title += f", local batch {report.count(args.local_batch)}"
   if args.no_pack:
     title += ", no packing"
   return title
@@ -202,9 +242,11 @@ def _run_sweep(spec: ClusterSpec, args) -> None:
   rows = [{"fraction": p.fraction, "failed_gpus": p.failed_gpus, "policy": p.policy,
            "mean_loss_pct": 100 * p.mean_loss, "max_loss_pct": 100 * p.max_loss,
            "min_loss_pct": 100 * p.min_loss} for p in points]
-  columns = ["fraction", "failed_gpus", "policy", "mean_loss_pct", "max_loss_pct",
-             "min_loss_pct"]
-  _emit(rows, columns, args, f"# loss sweep: {_title(spec, args)}, {args.samples} placements")
+  columns = {"fraction": report.ratio, "failed_gpus": report.count, "policy": report.text,
+             "mean_loss_pct": report.percent, "max_loss_pct": report.percent,
+             "min_loss_pct": report.percent}
+  _emit(rows, columns, args,
+        f"# loss sweep: {_title(spec, args)}, {report.count(args.samples)} placements")
   if args.out:
     report.write_rows(args.out, "loss_sweep", rows, columns)
     plots.plot_loss_sweep(points, args.out / "loss_sweep.png", _title(spec, args))
@@ -219,10 +261,11 @@ def _run_timeline(spec: ClusterSpec, args) -> None:
     row["mean_failed_fraction"] = float(result.failed_fraction.mean())
     row["max_failed_fraction"] = float(result.failed_fraction.max())
     row["time_above_threshold"] = above
-  columns = ["policy", "mean_availability", "min_availability", "mean_failed_fraction",
-             "max_failed_fraction", "time_above_threshold"]
-  _emit(rows, columns, args, f"# availability timeline: {_title(spec, args)}, {args.days} days, "
-        f"threshold {args.threshold}")
+  columns = {"policy": report.text, "mean_availability": report.ratio,
+             "min_availability": report.ratio, "mean_failed_fraction": report.ratio,
+             "max_failed_fraction": report.ratio, "time_above_threshold": report.ratio}
+  _emit(rows, columns, args, f"# availability timeline: {_title(spec, args)}, "
+        f"{report.days(args.days)}, threshold {report.ratio(args.threshold)}")
   if args.out:
     series = [{"hours": float(h), "failed_fraction": float(f),
                **{name: float(v[i]) for name, v in result.availability.items()}}
@@ -242,13 +285,14 @@ def _run_spares(spec: ClusterSpec, args) -> None:
                  "per_gpu_throughput": (None if needed is None
                                         else float(result.per_gpu_throughput[policy][needed])),
                  "running_with_no_spares": float(result.running_fraction[policy][0])})
-  columns = ["policy", "spares_needed", "per_gpu_throughput", "running_with_no_spares"]
+  columns = {"policy": report.text, "spares_needed": report.count,
+             "per_gpu_throughput": report.ratio, "running_with_no_spares": report.ratio}
   footer = None
   if None in result.needed.values():
-    footer = (f"# -: the job still pauses with --max-spares {args.max_spares} spares; "
-              "raise --max-spares to try more")
+    footer = (f"# -: the job still pauses with --max-spares {report.count(args.max_spares)} "
+              "spares; raise --max-spares to try more")
   _emit(rows, columns, args, f"# spares for a fixed mini-batch: {_title(spec, args)}, "
-        f"{args.days} days, up to {args.max_spares} spares", footer)
+        f"{report.days(args.days)}, up to {report.count(args.max_spares)} spares", footer)
   if args.out:
     curve = [{"spares": int(s),
               **{f"{name}_running": float(result.running_fraction[name][i])
@@ -262,10 +306,16 @@ def _run_spares(spec: ClusterSpec, args) -> None:
 
 
 def _run_plan(spec: ClusterSpec, args) -> None:
+  for domain, count in args.failed_per_domain.items():
+    if domain >= spec.num_domains:
+      raise ValueError(f"--failed-per-domain: domain {domain} is outside [0, {spec.num_domains})")
+    if count > spec.tp:
+      raise ValueError(f"--failed-per-domain: {count} failed GPUs in domain {domain}, "
+                       f"which has only {spec.tp} (--tp)")
   settings = _settings(args)
   rows = []
   for policy in args.policies:
-    plans = plan_replicas(args.failed, spec.tp, spec.pp, args.power_limit, policy,
+    plans = plan_replicas(args.failed_per_domain, spec.tp, spec.pp, args.power_limit, policy,
                           spec.num_domains, settings.power_curve, settings.degree_rule,
                           settings.pack)
     for p in plans:
@@ -274,10 +324,11 @@ def _run_plan(spec: ClusterSpec, args) -> None:
                      "domains": " ".join(map(str, p.domains)),
                      "stage_degrees": " ".join(map(str, p.stage_degrees)), "degree": p.degree,
                      "batch_share": p.batch_share,
-                     "stage_boosts": " ".join(f"{b:.3f}" for b in p.stage_boosts),
+                     "stage_boosts": " ".join(map(report.ratio, p.stage_boosts)),
                      "boost": p.boost})
-  columns = ["policy", "replica", "domains", "stage_degrees", "degree", "batch_share",
-             "stage_boosts", "boost"]
+  columns = {"policy": report.text, "replica": report.text, "domains": report.text,
+             "stage_degrees": report.text, "degree": report.text, "batch_share": report.ratio,
+             "stage_boosts": report.text, "boost": report.ratio}
   _emit(rows, columns, args, f"# replica plan: {_title(spec, args)}")
   if args.out:
     report.write_rows(args.out, "plan", rows, columns)

@@ -1,4 +1,8 @@
-"""Rows of results as aligned text tables, CSV and JSON."""
+"""Rows of results as aligned text tables, CSV and JSON.
+
+Tables print each kind of quantity one way (``ratio``, ``percent``, ``count``,
+``days``); CSV and JSON keep full precision.
+"""
 
 from __future__ import annotations
 
@@ -6,31 +10,50 @@ import csv
 import io
 import json
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 FORMATS = ("table", "csv", "json")
 
 
-def _cell(value) -> str:
-  """Text of one cell: floats with 6 significant digits, ``-`` for None."""
-  if value is None:
-    return "-"
-  if isinstance(value, float):
-    return f"{value:.6g}"
+def ratio(value: float) -> str:
+  """A fraction or ratio (shares, availability, failed fraction, power over TDP): 4 decimals."""
+  return f"{value:.4f}"
+
+
+def percent(value: float) -> str:
+  """A value already in percent: 2 decimals, the resolution of ``ratio``."""
+  return f"{value:.2f}"
+
+
+def count(value: int) -> str:
+  """A count of GPUs, domains or samples, with thousands separators."""
+  return f"{value:,}"
+
+
+def days(value: float) -> str:
+  """A duration given in days: 2 decimals and the unit."""
+  return f"{value:.2f} days"
+
+
+def text(value) -> str:
+  """Names, indices and pre-formatted lists, as they are."""
   return str(value)
 
 
-def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+def format_table(rows: Sequence[dict], columns: Mapping[str, Callable[[Any], str]]) -> str:
   """Aligned plain-text table with a header line.
 
   Args:
-    rows: One mapping per row; missing keys print as ``-``.
-    columns: Column names, in order.
+    rows: One mapping per row; missing keys and ``None`` print as ``-``.
+    columns: Column name to the function that formats its values (``ratio``,
+      ``percent``, ``count``, ``text``), in order.
 
   Returns:
     The table, lines joined by newlines, without a trailing newline.
   """
-  cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+  cells = [["-" if row.get(c) is None else cell(row[c]) for c, cell in columns.items()]
+           for row in rows]
   widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
   lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
   lines.append("  ".join("-" * w for w in widths))
@@ -38,7 +61,7 @@ def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
   return "\n".join(lines)
 
 
-def format_csv(rows: Sequence[dict], columns: Sequence[str]) -> str:
+def format_csv(rows: Sequence[dict], columns: Collection[str]) -> str:
   """CSV text with a header line."""
   buffer = io.StringIO()
   writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore",
@@ -48,13 +71,13 @@ def format_csv(rows: Sequence[dict], columns: Sequence[str]) -> str:
   return buffer.getvalue()
 
 
-def format_json(rows: Sequence[dict], columns: Sequence[str]) -> str:
+def format_json(rows: Sequence[dict], columns: Collection[str]) -> str:
   """JSON list of objects restricted to ``columns``."""
   return json.dumps([{c: row.get(c) for c in columns} for row in rows], indent=1)
 
 
-def render(rows: Sequence[dict], columns: Sequence[str], fmt: str) -> str:
-  """Rows in one of ``FORMATS``.
+def render(rows: Sequence[dict], columns: Mapping[str, Callable[[Any], str]], fmt: str) -> str:
+  """Rows in one of ``FORMATS``; ``columns`` as for ``format_table``.
 
   Raises:
     ValueError: On an unknown format.
@@ -69,7 +92,7 @@ def render(rows: Sequence[dict], columns: Sequence[str], fmt: str) -> str:
 
 
 def write_rows(directory: pathlib.Path, stem: str, rows: Sequence[dict],
-               columns: Sequence[str]) -> list[pathlib.Path]:
+               columns: Collection[str]) -> list[pathlib.Path]:
   """Writes ``stem.csv`` and ``stem.json`` under ``directory`` (created if needed).
 
   Returns:
