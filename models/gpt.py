@@ -1,7 +1,8 @@
 """Llama-style decoder built from ``ntp_jax.layers`` (local view, inside ``shard_map``).
 
 Pre-norm blocks of grouped-query attention with RoPE and a SwiGLU MLP,
-RMSNorm, untied vocabulary-parallel embedding and output head; the loss is
+RMSNorm, vocabulary-parallel embedding and output head (separate, or tied:
+the head is the embedding table transposed); the loss is
 the vocabulary-parallel cross-entropy, so full logits never exist on one
 device. Shapes follow Llama 3 (Grattafiori et al., arXiv:2407.21783, Table 3).
 """
@@ -43,6 +44,7 @@ class GPTConfig:
   param_dtype: str = "float32"  # storage dtype of parameters
   scan_layers: bool = True  # blocks under jax.lax.scan (False: unrolled, for cost analysis)
   remat: str = "none"  # per-block rematerialisation policy (ntp_jax.layers.REMAT_POLICIES)
+  tie_embeddings: bool = False  # output head = embedding table transposed (no ``head`` param)
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -134,7 +136,10 @@ class GPT(nnx.Module):
   ``ntp_jax.shard``) and see this device's blocks. The decoder blocks are one
   stacked module (``ntp_jax.layers.stack_layers``): each block parameter has a
   layer axis, e.g. ``blocks.attn.wq.kernel`` is logically
-  ``[n_layers, d_model, n_heads * head_dim]``.
+  ``[n_layers, d_model, n_heads * head_dim]``. With ``cfg.tie_embeddings``
+  there is no ``head``: the logits are ``x @ embed.embedding.T``, each slot's
+  vocabulary rows giving its block of the logits (the same vocabulary layout
+  a separate head's columns use).
   """
 
   def __init__(self, cfg: GPTConfig, layouts: ModelLayouts, *, rngs: nnx.Rngs):
@@ -144,7 +149,8 @@ class GPT(nnx.Module):
     self.embed = VocabParallelEmbed(layouts.vocab, cfg.d_model, rngs=rngs, **kw)
     self.blocks = stack_layers(lambda r: DecoderBlock(cfg, layouts, rngs=r), cfg.n_layers, rngs)
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
-    self.head = ColumnParallelLinear(cfg.d_model, layouts.vocab, rngs=rngs, **kw)
+    if not cfg.tie_embeddings:
+      self.head = ColumnParallelLinear(cfg.d_model, layouts.vocab, rngs=rngs, **kw)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """int ``[batch, seq]`` -> this slot's logits ``[batch, seq, vocab block]``."""
@@ -152,7 +158,8 @@ class GPT(nnx.Module):
     cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
     x = self.embed(tokens)  # [b, s, d] replicated over the TP group
     x = run_layers(self.blocks, x, cos, sin, scan=self.cfg.scan_layers, remat=self.cfg.remat)
-    return self.head(self.final_norm(x))
+    x = self.final_norm(x)
+    return self.embed.attend(x) if self.cfg.tie_embeddings else self.head(x)
 
   def loss_sum(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
     """f32 scalar: sum of next-token cross-entropy over this device's batch rows."""
@@ -164,4 +171,5 @@ def count_params(cfg: GPTConfig) -> int:
   attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
   mlp = 3 * cfg.d_model * cfg.d_ff
   per_layer = attn + mlp + 2 * cfg.d_model
-  return cfg.n_layers * per_layer + 2 * cfg.vocab_size * cfg.d_model + cfg.d_model
+  tables = 1 if cfg.tie_embeddings else 2  # embedding, and the head unless tied
+  return cfg.n_layers * per_layer + tables * cfg.vocab_size * cfg.d_model + cfg.d_model

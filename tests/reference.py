@@ -56,7 +56,10 @@ def gpt_logits(p, tokens, cfg):
     x = x + attention(h, blk["attn"], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta)
     h = rmsnorm(x, blk["mlp_norm"]["scale"], cfg.norm_eps)
     x = x + swiglu(h, blk["mlp"])
-  return rmsnorm(x, p["final_norm"]["scale"], cfg.norm_eps) @ p["head"]["kernel"]
+  x = rmsnorm(x, p["final_norm"]["scale"], cfg.norm_eps)
+  # Tied embeddings: no head, the logits read the embedding table transposed.
+  head = p["head"]["kernel"] if "head" in p else p["embed"]["embedding"].T
+  return x @ head
 
 
 def gpt_loss(p, tokens, targets, cfg):

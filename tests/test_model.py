@@ -45,6 +45,30 @@ def test_gpt_loss_and_gradient_match_dense_reference(group):
       (1, CFG.n_layers, 16, layouts.ffn.block)}
 
 
+@pytest.mark.parametrize("group", [(3, ()), (8, (3,))], ids=group_id)
+def test_tied_embeddings_loss_and_gradient_match_dense_reference(group):
+  import dataclasses
+  tp, failed = group
+  cfg = dataclasses.replace(CFG, tie_embeddings=True)
+  layouts = model_layouts(cfg, tp, failed)  # vocabulary 37 on 3 or 7 slots: padded rows
+  assert layouts.vocab.block * layouts.vocab.degree > cfg.vocab_size
+  mesh = class_mesh([0], [layouts.heads.live_slots], tp)
+  graphdef, params = init_stacked_params(lambda: GPT(cfg, layouts, rngs=nnx.Rngs(4)), mesh, 1)
+  assert "head" not in params
+  batch = _batch(cfg, 3, 6, seed=1)
+  loss, grads = jax.jit(make_loss_and_grad(graphdef, params, mesh, batch[:, 1:].size))(params, batch)
+  params, grads = replica_view(params), replica_view(grads)
+
+  logical = to_logical(params)
+  assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(logical)) == count_params(cfg)
+  ref_loss, ref_grads = jax.value_and_grad(ref.gpt_loss)(logical, batch[:, :-1], batch[:, 1:], cfg)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  # The table's gradient holds both uses (lookup and head); padded rows get none.
+  assert_padding_zero(grads)
+  jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6),
+               to_logical(grads), ref_grads)
+
+
 @pytest.mark.parametrize("scan,remat", [(True, "full"), (False, "none"),
                                         (True, "dots_with_no_batch_dims_saveable")])
 def test_scanned_unrolled_and_rematerialised_blocks_match_dense_reference(scan, remat):

@@ -3,6 +3,9 @@
 Each slot holds a contiguous run of vocabulary rows; a token's vector comes
 from the one slot that holds its row, and an all-reduce over ``'tp'`` brings
 it to every slot. Padded rows are never looked up, so they get no gradient.
+``attend`` reuses the table as a tied output head (Press & Wolf,
+arXiv:1608.05859): each slot's product with its rows is its vocabulary block
+of the logits, split like a column-parallel head over the same layout.
 Source: Megatron-LM (arXiv:1909.08053) Sec. 3, rows split by a ``Layout``.
 """
 
@@ -43,3 +46,13 @@ class VocabParallelEmbed(nnx.Module):
     mine = (local_ids >= 0) & (local_ids < local_size(self.layout))
     rows = jnp.take(table, jnp.where(mine, local_ids, 0), axis=0)
     return tp_sum(jnp.where(mine[..., None], rows, jnp.zeros((), self.dtype)))
+
+  def attend(self, x: jax.Array) -> jax.Array:
+    """``[..., d_model] -> [..., block]``: this slot's logits ``x @ table_blk.T`` (tied head).
+
+    Padded rows are zero, so their logits are zero; the vocabulary-parallel
+    cross-entropy masks them, so they get no gradient from here either.
+    """
+    # x: [..., d_model] (same on every slot); table: [block, d_model]
+    table = local_block(self.embedding).astype(self.dtype)
+    return jnp.einsum("...d,vd->...v", x.astype(self.dtype), table)
