@@ -1,0 +1,114 @@
+"""``python -m ntp_jax.export_hf --checkpoint DIR [--step N] --out FOLDER``.
+
+Writes one step of a run's checkpoints (``ntp_jax.checkpoint.Checkpoints``:
+the ``meta`` item holds the run's config, the ``state`` item the logical
+parameters) as a Hugging Face Llama folder (``models.hf_llama.export_hf``):
+``config.json`` and a float32 ``model.safetensors``. The parameters are read
+on this host with plain orbax (the optimizer state is not read), so any
+device count works; the host needs memory for the model in float32 twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from ntp_jax.checkpoint import STATE, CheckpointError, Checkpoints
+from ntp_jax.errors import ConfigError
+from ntp_jax.placement import Path, nest
+
+
+def read_params_on_host(checkpoints: Checkpoints, step: int) -> dict[Path, np.ndarray]:
+  """``path -> numpy array`` of every ``params`` leaf of ``step`` (paths keep ``params``).
+
+  Raises:
+    CheckpointError: unreadable metadata or data, naming the folder.
+  """
+  shapes = {p: s for p, s in checkpoints.shapes(step).items() if p[0] == "params"}
+  item = nest({p: np.zeros((0,), np.float32) for p in shapes})
+  restore_args = nest({p: ocp.RestoreArgs(restore_type=np.ndarray) for p in shapes})
+  where = os.path.join(checkpoints.step_dir(step), STATE)
+  try:
+    with ocp.PyTreeCheckpointer() as reader:
+      restored = reader.restore(where, args=ocp.args.PyTreeRestore(
+          item=item, restore_args=restore_args, partial_restore=True))
+  except Exception as err:  # orbax wraps OS and tensorstore errors in several types
+    raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: cannot read its "
+                          f"parameters ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
+                          ) from None
+  out = {}
+  for path, (shape, _) in shapes.items():
+    value = restored
+    for key in path:
+      value = value[key]
+    out[path] = np.asarray(value)
+    if out[path].shape != shape:
+      raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: {'/'.join(path)} read "
+                            f"as {out[path].shape}, stored as {shape}")
+  return out
+
+
+def export_checkpoint(directory: str, out: str, step: int | None = None) -> int:
+  """Write step ``step`` (default: the newest complete one) of ``directory`` to ``out``.
+
+  Returns:
+    The step written.
+
+  Raises:
+    ConfigError: one line naming ``--checkpoint`` or ``--step`` (no folder,
+      no complete checkpoint, no such step), or the checkpoint's config
+      field or parameter that does not fit the model.
+  """
+  from models.gpt import GPTConfig  # application modules: imported where the command runs
+  from models.hf_llama import export_hf
+
+  if not os.path.isdir(directory):
+    raise ConfigError(f"--checkpoint: no folder {directory}")
+  checkpoints = Checkpoints(directory, asynchronous=False, field="--checkpoint")
+  try:
+    if step is None:
+      step = checkpoints.latest_step()
+      if step is None:
+        raise ConfigError(f"--checkpoint: {directory} holds no complete checkpoint")
+    elif not checkpoints.is_complete(step):
+      have = [s for s in checkpoints.all_steps() if checkpoints.is_complete(s)]
+      raise ConfigError(f"--step: {checkpoints.step_dir(step)} is not a complete checkpoint "
+                        f"(complete steps: {', '.join(map(str, have)) or 'none'})")
+    config = checkpoints.meta(step).get("config", {})
+    if "model" not in config:
+      raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its metadata holds no "
+                            "model config")
+    cfg = GPTConfig.from_config(config["model"])
+    params = read_params_on_host(checkpoints, step)
+  finally:
+    checkpoints.close()
+  export_hf(params, cfg, out,
+            max_position_embeddings=config.get("train", {}).get("seq_len"))
+  return step
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m ntp_jax.export_hf",
+      description="Write a checkpoint's parameters as a Hugging Face Llama folder.")
+  parser.add_argument("--checkpoint", required=True, help="the run's checkpoint folder")
+  parser.add_argument("--step", type=int, default=None,
+                      help="step to export (default: the newest complete one)")
+  parser.add_argument("--out", required=True, help="folder for config.json and model.safetensors")
+  args = parser.parse_args(argv)
+  try:
+    step = export_checkpoint(args.checkpoint, args.out, args.step)
+  except ConfigError as err:
+    print(f"export_hf: {err}", file=sys.stderr)
+    return 1
+  print(f"wrote step {step} of {args.checkpoint} to {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
