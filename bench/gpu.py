@@ -20,9 +20,9 @@ global batch; with compute-bound steps the ideal NTP/healthy tokens/s ratio
 is (tp - 1) / tp.
 
 Model flops per step (PaLM, Chowdhery et al., arXiv:2204.02311, Appendix B):
-``6 N D + 12 L H Q T D``, with N = ``models.gpt.count_params`` (every
-parameter, including the input embedding table, whose lookup does no
-matmul: this slightly overstates the flops), D tokens per step, L layers,
+``6 N D + 12 L H Q T D``, with N the parameters that take part in a
+matmul (``models.gpt.count_params`` less the input embedding table, whose
+lookup does no matmul, unless it is tied to the output head), D tokens per step, L layers,
 H Q = n_heads x head_dim (= d_model in these configs) and T the sequence
 length. Rematerialised flops are not counted. MFU = model flops per step /
 (step time x live GPUs x peak dense bf16 flops of one GPU); the peak comes
@@ -88,7 +88,8 @@ def peak_flops(device_kind: str) -> float | None:
 def model_flops(cfg: GPTConfig, tokens: int, seq_len: int) -> float:
   """Model flops of one training step (PaLM Appendix B): 6 N D + 12 L H Q T D."""
   attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len * tokens
-  return 6 * count_params(cfg) * tokens + attention
+  lookup = 0 if getattr(cfg, "tie_embeddings", False) else cfg.vocab_size * cfg.d_model
+  return 6 * (count_params(cfg) - lookup) * tokens + attention
 
 
 def log(message: str) -> None:

@@ -22,14 +22,12 @@ from ntp_jax.goodput import plot_run
 from ntp_jax.loop import TrainingRun
 from ntp_jax.data import make_dataset
 from ntp_jax.errors import ConfigError
-from ntp_jax.footprint import (ClassFootprint, class_footprints, device_bytes, footprint_table,
+from ntp_jax.footprint import (ClassFootprint, abstract_program, class_footprints, device_bytes, footprint_table,
                                per_device_flops, resident_fraction, shortfall)
-from ntp_jax.mesh import class_mesh
 from ntp_jax.metrics import MetricsWriter
 from ntp_jax.optim import make_optimizer
 from ntp_jax.plan import Plan, make_plan, parse_failed
 from ntp_jax.recovery import Event, check_events, failed_text, parse_events
-from ntp_jax.replica_class import abstract_class_state, class_shardings
 from ntp_jax.report import parameter_table
 from ntp_jax.signals import StopSignals
 from ntp_jax.shard import replica_view
@@ -232,14 +230,9 @@ def make_gpt(cfg: GPTConfig, seed: int):
 
 def resident_bytes(plan: Plan, make_model, optimizer, devices) -> list[int]:
   """Per class, bytes one device holds of parameters and optimizer state (shapes only)."""
-  out = []
-  for c in plan.classes:
-    mesh = class_mesh(c.replicas, c.live_slots, plan.tp, devices)
-    _, target = abstract_class_state(lambda: make_model(c.layouts), len(c.replicas), optimizer)
-    shardings = class_shardings(target, mesh)
-    out.append(device_bytes(jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)))
-  return out
+  programs = [abstract_program(plan, c, make_model, optimizer, 1, devices)[0]
+              for c in plan.classes]
+  return [device_bytes(p.params) + device_bytes(p.opt_state) for p in programs]
 
 
 def footprint(config, cfg: GPTConfig, plan: Plan, optimizer, devices) -> list[ClassFootprint]:
@@ -289,7 +282,7 @@ def check_footprint(config, cfg: GPTConfig, plan: Plan, optimizer, devices,
     log(f"dry run: {problem or 'the devices can hold this plan'}")
     return footprints
   if problem:
-    raise ResourceError(problem)
+    raise ResourceError(f"{problem} (the plan above; --config.dry_run=True prints it only)")
   return footprints
 
 
