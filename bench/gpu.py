@@ -50,7 +50,7 @@ import numpy as np
 from common import emit, load_config
 from flax import nnx
 
-from models.gpt import GPT, GPTConfig, count_params, model_layouts
+from models.gpt import GPT, GPTConfig, count_params, gpt_spec, model_layouts
 from ntp_jax.layers import REMAT_POLICIES
 from ntp_jax.optim import make_optimizer
 from ntp_jax.plan import make_plan
@@ -109,7 +109,7 @@ def build(cfg, config, failed, *, tp, devices):
   plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=1, failed=failed,
                    batch_size=config.train.batch_size)
   optimizer = make_optimizer(config.train)
-  check_footprint(config, cfg, plan, optimizer, devices[:tp], log)
+  check_footprint(config, gpt_spec(cfg, config.train.seed), plan, optimizer, devices[:tp], log)
   programs = build_class_programs(
       plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(config.train.seed)), optimizer,
       config.train.clip_norm, plan.global_batch * config.train.seq_len, devices[:tp])

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.mesh import DP, TP, class_mesh
+from ntp_jax.model_spec import default_loss
 from ntp_jax.plan import Plan, ReplicaClass
 from ntp_jax.replica_class import (ClassProgram, abstract_class_state, class_shardings,
                                    make_fused_step, make_split_step)
@@ -88,7 +89,8 @@ def _flops(compiled) -> float:
 def abstract_program(plan: Plan, replica_class: ReplicaClass,
                      make_model: Callable[[Any], nnx.Module],
                      optimizer: optax.GradientTransformation, seq_len: int,
-                     devices: Sequence[jax.Device]) -> tuple[ClassProgram, jax.ShapeDtypeStruct]:
+                     devices: Sequence[jax.Device], loss: Callable[..., Any] = default_loss
+                     ) -> tuple[ClassProgram, jax.ShapeDtypeStruct]:
   """A class program whose state and batch are sharded ``ShapeDtypeStruct``s (no buffers).
 
   Lowering its step functions with these compiles the real program.
@@ -97,7 +99,8 @@ def abstract_program(plan: Plan, replica_class: ReplicaClass,
   graphdef, target = abstract_class_state(lambda: make_model(replica_class.layouts),
                                           len(replica_class.replicas), optimizer)
   state = _with_shardings(target, class_shardings(target, mesh))
-  program = ClassProgram(replica_class, mesh, graphdef, state["params"], state["opt_state"])
+  program = ClassProgram(replica_class, mesh, graphdef, state["params"], state["opt_state"],
+                         loss=loss)
   batch = jax.ShapeDtypeStruct((replica_class.batch_rows, seq_len + 1), np.int32,
                                sharding=program.batch_sharding)
   return program, batch
@@ -105,12 +108,13 @@ def abstract_program(plan: Plan, replica_class: ReplicaClass,
 
 def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
                      optimizer: optax.GradientTransformation, clip_norm: float, seq_len: int,
-                     devices: Sequence[jax.Device]) -> list[ClassFootprint]:
+                     devices: Sequence[jax.Device], loss: Callable[..., Any] = default_loss
+                     ) -> list[ClassFootprint]:
   """Compile every class's step for abstract arguments and measure one device of each.
 
   Args:
     plan: the NTP plan (classes, batch shares).
-    make_model: ``layouts -> module`` with ``loss_sum(tokens, targets)``.
+    make_model: ``layouts -> module``; loss: as ``ModelSpec.loss``.
     optimizer, clip_norm: as for training.
     seq_len: tokens per sequence.
     devices: the job's devices (the meshes are built on them; nothing is
@@ -126,7 +130,7 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
   out = []
   for replica_class in plan.classes:
     program, batch = abstract_program(plan, replica_class, make_model, optimizer, seq_len,
-                                      devices)
+                                      devices, loss)
     mesh = program.mesh
     if len(plan.classes) == 1:
       step = make_fused_step(program, optimizer, clip_norm, global_tokens)
