@@ -20,9 +20,9 @@ global batch; with compute-bound steps the ideal NTP/healthy tokens/s ratio
 is (tp - 1) / tp.
 
 Model flops per step (PaLM, Chowdhery et al., arXiv:2204.02311, Appendix B):
-``6 N D + 12 L H Q T D``, with N = ``models.gpt.count_params`` (every
-parameter, including the input embedding table, whose lookup does no
-matmul: this slightly overstates the flops), D tokens per step, L layers,
+``6 N D + 12 L H Q T D``, with N the parameters that take part in a
+matmul (``models.gpt.count_params`` less the input embedding table, whose
+lookup does no matmul, unless it is tied to the output head), D tokens per step, L layers,
 H Q = n_heads x head_dim (= d_model in these configs) and T the sequence
 length. Rematerialised flops are not counted. MFU = model flops per step /
 (step time x live GPUs x peak dense bf16 flops of one GPU); the peak comes
@@ -50,7 +50,7 @@ import numpy as np
 from common import emit, load_config
 from flax import nnx
 
-from models.gpt import GPT, GPTConfig, count_params, model_layouts
+from models.gpt import GPT, GPTConfig, count_params, gpt_spec, model_layouts
 from ntp_jax.layers import REMAT_POLICIES
 from ntp_jax.optim import make_optimizer
 from ntp_jax.plan import make_plan
@@ -88,7 +88,8 @@ def peak_flops(device_kind: str) -> float | None:
 def model_flops(cfg: GPTConfig, tokens: int, seq_len: int) -> float:
   """Model flops of one training step (PaLM Appendix B): 6 N D + 12 L H Q T D."""
   attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len * tokens
-  return 6 * count_params(cfg) * tokens + attention
+  lookup = 0 if getattr(cfg, "tie_embeddings", False) else cfg.vocab_size * cfg.d_model
+  return 6 * (count_params(cfg) - lookup) * tokens + attention
 
 
 def log(message: str) -> None:
@@ -108,7 +109,7 @@ def build(cfg, config, failed, *, tp, devices):
   plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=1, failed=failed,
                    batch_size=config.train.batch_size)
   optimizer = make_optimizer(config.train)
-  check_footprint(config, cfg, plan, optimizer, devices[:tp], log)
+  check_footprint(config, gpt_spec(cfg, config.train.seed), plan, optimizer, devices[:tp], log)
   programs = build_class_programs(
       plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(config.train.seed)), optimizer,
       config.train.clip_norm, plan.global_batch * config.train.seq_len, devices[:tp])

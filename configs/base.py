@@ -13,6 +13,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.dry_run = False  # print the per-device memory and flops of the step (nothing allocated), then stop
 
   c.model = ml_collections.ConfigDict()
+  c.model.factory = "models.gpt:model_spec"  # "module:function" (config -> ntp_jax.model_spec.ModelSpec)
   c.model.vocab_size = 4096  # vocabulary (BPE trained to this size on text corpora)
   c.model.d_model = 256  # residual width
   c.model.n_layers = 4  # decoder blocks
@@ -26,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.vocab_granularity = 1  # vocabulary rows per shard unit
   c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
   c.model.param_dtype = "float32"  # parameter storage dtype (fp32 master weights; Adam moments follow)
+  c.model.tie_embeddings = False  # output head = embedding table transposed (no separate head)
   c.model.scan_layers = True  # decoder blocks under jax.lax.scan: compile time flat in depth
   c.model.remat = "none"  # rematerialisation per block: none | full | dots_saveable | dots_with_no_batch_dims_saveable
 
@@ -54,6 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only)
   c.train.clip_norm = 1.0  # global gradient-norm clip
   c.train.log_every = 10  # progress line every N steps
+  c.train.eval_every = 50  # validation loss every N steps and at the end (0 = off)
+  c.train.eval_sequences = 32  # held-out sequences in the validation loss (a fixed set)
+  c.train.tensorboard = False  # also write metrics as TensorBoard event files to WORKDIR/tensorboard
   c.train.plot = True  # WORKDIR/goodput.png (loss, tokens/s, events) at the end
 
   c.checkpoint = ml_collections.ConfigDict()
@@ -65,4 +70,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # text file / folder / glob, or uint16 .bin tokens; empty: Python stdlib source
   c.data.max_corpus_bytes = 4_000_000  # bytes of text read (tokenizer training and packing)
+  c.data.val_fraction = 0.02  # share of packed sequences held out for validation (end of the stream)
   return c

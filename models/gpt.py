@@ -10,6 +10,7 @@ device. Shapes follow Llama 3 (Grattafiori et al., arXiv:2407.21783, Table 3).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -21,6 +22,7 @@ from ntp_jax.layers import (REMAT_POLICIES, Attention, ColumnParallelLinear, RMS
                             vocab_parallel_cross_entropy)
 from ntp_jax.errors import ConfigError
 from ntp_jax.layout import Layout, make_layout, units_of
+from ntp_jax.model_spec import ModelSpec
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -68,12 +70,14 @@ class GPTConfig:
 
   @classmethod
   def from_config(cls, model_cfg) -> GPTConfig:
-    """From the ``model`` section of an ml_collections config (unknown keys rejected)."""
+    """From the ``model`` section of an ml_collections config (unknown keys rejected;
+    ``factory`` is the trainer's, not the model's)."""
     fields = {f.name for f in dataclasses.fields(cls)}
-    extra = set(model_cfg.keys()) - fields
+    given = {k: v for k, v in dict(model_cfg).items() if k != "factory"}
+    extra = set(given) - fields
     if extra:
       raise ConfigError(f"model: unknown field(s) {sorted(extra)}")
-    return cls(**dict(model_cfg))
+    return cls(**given)
 
   @property
   def compute_dtype(self):
@@ -173,3 +177,22 @@ def count_params(cfg: GPTConfig) -> int:
   per_layer = attn + mlp + 2 * cfg.d_model
   tables = 1 if cfg.tie_embeddings else 2  # embedding, and the head unless tied
   return cfg.n_layers * per_layer + tables * cfg.vocab_size * cfg.d_model + cfg.d_model
+
+
+def gpt_spec(cfg: GPTConfig, seed: int) -> ModelSpec:
+  """The trainer's view of a GPT of ``cfg`` whose parameters are drawn from ``seed``."""
+  return ModelSpec(
+      layouts=functools.partial(model_layouts, cfg),
+      make=lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(seed)),
+      vocab_size=cfg.vocab_size, param_count=count_params(cfg), n_layers=cfg.n_layers,
+      unrolled=lambda n: gpt_spec(dataclasses.replace(cfg, n_layers=n, scan_layers=False), seed),
+      name="gpt")
+
+
+def model_spec(config) -> ModelSpec:
+  """``model.factory`` of the GPT: the ``model`` section and ``train.seed`` of ``config``.
+
+  Raises:
+    ConfigError: a bad ``model.*`` field, named.
+  """
+  return gpt_spec(GPTConfig.from_config(config.model), config.train.seed)

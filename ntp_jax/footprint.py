@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.mesh import DP, TP, class_mesh
+from ntp_jax.model_spec import default_loss
 from ntp_jax.plan import Plan, ReplicaClass
 from ntp_jax.replica_class import (ClassProgram, abstract_class_state, class_shardings,
                                    make_fused_step, make_split_step)
@@ -78,10 +79,6 @@ def _with_shardings(abstract: Any, shardings: Any) -> Any:
                       abstract, shardings)
 
 
-def _compiled(lowered) -> Any:
-  return lowered.compile()
-
-
 def _flops(compiled) -> float:
   analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older JAX: one dict per program
@@ -89,14 +86,35 @@ def _flops(compiled) -> float:
   return float(analysis.get("flops", 0.0))
 
 
+def abstract_program(plan: Plan, replica_class: ReplicaClass,
+                     make_model: Callable[[Any], nnx.Module],
+                     optimizer: optax.GradientTransformation, seq_len: int,
+                     devices: Sequence[jax.Device], loss: Callable[..., Any] = default_loss
+                     ) -> tuple[ClassProgram, jax.ShapeDtypeStruct]:
+  """A class program whose state and batch are sharded ``ShapeDtypeStruct``s (no buffers).
+
+  Lowering its step functions with these compiles the real program.
+  """
+  mesh = class_mesh(replica_class.replicas, replica_class.live_slots, plan.tp, devices)
+  graphdef, target = abstract_class_state(lambda: make_model(replica_class.layouts),
+                                          len(replica_class.replicas), optimizer)
+  state = _with_shardings(target, class_shardings(target, mesh))
+  program = ClassProgram(replica_class, mesh, graphdef, state["params"], state["opt_state"],
+                         loss=loss)
+  batch = jax.ShapeDtypeStruct((replica_class.batch_rows, seq_len + 1), np.int32,
+                               sharding=program.batch_sharding)
+  return program, batch
+
+
 def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
                      optimizer: optax.GradientTransformation, clip_norm: float, seq_len: int,
-                     devices: Sequence[jax.Device]) -> list[ClassFootprint]:
+                     devices: Sequence[jax.Device], loss: Callable[..., Any] = default_loss
+                     ) -> list[ClassFootprint]:
   """Compile every class's step for abstract arguments and measure one device of each.
 
   Args:
     plan: the NTP plan (classes, batch shares).
-    make_model: ``layouts -> module`` with ``loss_sum(tokens, targets)``.
+    make_model: ``layouts -> module``; loss: as ``ModelSpec.loss``.
     optimizer, clip_norm: as for training.
     seq_len: tokens per sequence.
     devices: the job's devices (the meshes are built on them; nothing is
@@ -111,24 +129,20 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
   t_min = min(c.degree for c in plan.classes)
   out = []
   for replica_class in plan.classes:
-    mesh = class_mesh(replica_class.replicas, replica_class.live_slots, plan.tp, devices)
-    graphdef, target = abstract_class_state(lambda: make_model(replica_class.layouts),
-                                            len(replica_class.replicas), optimizer)
-    state = _with_shardings(target, class_shardings(target, mesh))
-    program = ClassProgram(replica_class, mesh, graphdef, state["params"], state["opt_state"])
-    batch = jax.ShapeDtypeStruct((replica_class.batch_rows, seq_len + 1), np.int32,
-                                 sharding=program.batch_sharding)
+    program, batch = abstract_program(plan, replica_class, make_model, optimizer, seq_len,
+                                      devices, loss)
+    mesh = program.mesh
     if len(plan.classes) == 1:
       step = make_fused_step(program, optimizer, clip_norm, global_tokens)
-      compiled = [_compiled(step.lower(program.params, program.opt_state, batch))]
+      compiled = [step.lower(program.params, program.opt_state, batch).compile()]
     else:
       grad, update = make_split_step(program, optimizer, clip_norm, global_tokens, t_min)
-      first = _compiled(grad.lower(program.params, batch))
+      first = grad.lower(program.params, batch).compile()
       _, blocks = jax.eval_shape(grad, program.params, batch)
       block_sharding = NamedSharding(mesh, P(DP, TP))
       blocks = {k: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=block_sharding)
                 for k, b in blocks.items()}
-      compiled = [first, _compiled(update.lower(program.params, program.opt_state, blocks))]
+      compiled = [first, update.lower(program.params, program.opt_state, blocks).compile()]
     memory = [c.memory_analysis() for c in compiled]
     params = device_bytes(program.params)
     out.append(ClassFootprint(
@@ -214,8 +228,7 @@ def shortfall(footprints: Sequence[ClassFootprint], devices: Sequence[jax.Device
     if have is not None and need > have:
       return (f"the plan needs {need / 2**30:.1f} GiB of host memory for "
               f"{sum(f.replica_class.degree * len(f.replica_class.replicas) for f in footprints)}"
-              f" CPU devices, {have / 2**30:.1f} GiB available; use a smaller model, or "
-              "--config.dry_run=True to print the plan only")
+              f" CPU devices, {have / 2**30:.1f} GiB available")
     return None
   capacity = device_capacity(devices[0])
   worst = max(footprints, key=lambda f: f.peak)

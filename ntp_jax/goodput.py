@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 BUCKETS = ("productive", "compile", "reconfigure", "checkpoint_save", "checkpoint_restore",
-           "redone", "idle")
+           "redone", "eval", "idle")
 
 
 class GoodputClock:

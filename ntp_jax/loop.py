@@ -22,6 +22,7 @@ from ntp_jax.metrics import progress_line
 from ntp_jax.sources import InitSource
 from ntp_jax.plan import Plan
 from ntp_jax.recovery import DeviceFailure, Event, PeerSource, failed_text, poison
+from ntp_jax.model_spec import default_loss
 from ntp_jax.replica_class import JobStep, ProgramCache, build_class_programs, logical_state
 
 
@@ -30,7 +31,11 @@ class TrainingRun:
 
   Args:
     config: the run config. make_plan: ``failed text -> Plan``.
-    make_model: ``layouts -> module``. optimizer: the optax transformation.
+    make_model: ``layouts -> module``. loss: ``ModelSpec.loss``.
+    eval_rows: held-out sequences (int32 ``[n, seq_len + 1]``) whose mean
+      loss is recorded as ``val_loss`` every ``train.eval_every`` steps.
+    on_record: called with every step record (e.g. a TensorBoard writer).
+    optimizer: the optax transformation.
     devices: the job's devices (slot-major per replica).
     dataset: the training data (``sequences(cursor, count)``).
     checkpoints: a ``checkpoint.Checkpoints`` or None (off).
@@ -38,8 +43,12 @@ class TrainingRun:
   """
 
   def __init__(self, config, *, make_plan: Callable[[str], Plan], make_model, optimizer, devices,
-               dataset, checkpoints, writer, log, failed: set[tuple[int, int]]):
+               dataset, checkpoints, writer, log, failed: set[tuple[int, int]],
+               loss=default_loss, eval_rows: np.ndarray | None = None, on_record=None):
     self.config = config
+    self.loss = loss
+    self.eval_rows = eval_rows
+    self.on_record = on_record
     self.make_plan = make_plan
     self.make_model = make_model
     self.optimizer = optimizer
@@ -74,7 +83,7 @@ class TrainingRun:
     tokens = plan.global_batch * self.config.train.seq_len
     self.programs = build_class_programs(plan, self.make_model, self.optimizer,
                                          self.config.train.clip_norm, tokens, self.devices,
-                                         source=source, cache=self.cache)
+                                         source=source, cache=self.cache, loss=self.loss)
     self.job_step = JobStep(plan, self.programs, cache=self.cache)
     self.compile_next = self.cache.misses > misses
     for what, hit in self.cache.events[-(len(self.programs) + (len(self.programs) > 1)):]:
@@ -187,7 +196,8 @@ class TrainingRun:
     redone = self.step < self.furthest
     self.redone_steps += redone
     # A step that compiles is mostly compilation, even when it is also redone work.
-    bucket = "compile" if self.compile_next else "redone" if redone else "productive"
+    compiled = self.compile_next
+    bucket = "compile" if compiled else "redone" if redone else "productive"
     self.clock.add(bucket, elapsed)
     self.compile_next = False
     if not redone:
@@ -197,17 +207,26 @@ class TrainingRun:
               "tp_degree": min(degrees), "tp_degrees": degrees,
               "grad_norm": grad_norm, "global_batch": plan.global_batch,
               "data_cursor": self.cursor, "time": time.time()}
+    if compiled:
+      record["compiled"] = True
     self.step += 1
     self.furthest = max(self.furthest, self.step)
     every = self.config.checkpoint.every
     if self.checkpoints is not None and self.step % every == 0:
       record["checkpoint_s"] = self.save()
+    every = self.config.train.get("eval_every", 0)
+    if self.eval_rows is not None and every and (self.step % every == 0 or self.step == steps):
+      with self.clock.timed("eval"):
+        record["val_loss"] = self.job_step.eval_loss(self.eval_rows)
     record["goodput"] = self.clock.goodput()
     record["effective_tokens_per_s"] = self.clock.effective_tokens_per_s()
     self.writer.write(record)
     self.losses.append(loss)
     self.records.append(record)
-    if record["step"] % self.config.train.log_every == 0 or self.step == steps:
+    if self.on_record is not None:
+      self.on_record(record)
+    if (record["step"] % self.config.train.log_every == 0 or self.step == steps
+        or "val_loss" in record):
       self.log(progress_line(record, steps))
     return record
 

@@ -37,12 +37,53 @@ class MetricsWriter:
     self._file.close()
 
 
+class TensorBoardWriter:
+  """Step records as TensorBoard scalars, through tensorboardX's event-file writer.
+
+  Tags: ``train/loss``, ``train/grad_norm``, ``train/tokens_per_s`` (steps
+  that did not compile), ``val/loss``, ``goodput/goodput``,
+  ``goodput/effective_tokens_per_s``, ``ntp/min_tp_degree``,
+  ``ntp/global_batch``; the x axis is the step. View with
+  ``tensorboard --logdir WORKDIR/tensorboard``.
+  """
+
+  TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "val_loss": "val/loss",
+          "goodput": "goodput/goodput", "effective_tokens_per_s": "goodput/effective_tokens_per_s",
+          "tp_degree": "ntp/min_tp_degree", "global_batch": "ntp/global_batch"}
+
+  def __init__(self, logdir: str):
+    from tensorboardX import SummaryWriter  # only runs that ask for TensorBoard load it
+    self.logdir = logdir
+    self._writer = SummaryWriter(logdir=logdir)
+
+  def write(self, record: dict[str, Any]) -> None:
+    step = record["step"]
+    for key, tag in self.TAGS.items():
+      if key in record:
+        self._writer.add_scalar(tag, float(record[key]), step)
+    if not record.get("compiled"):
+      self._writer.add_scalar("train/tokens_per_s", record["tokens"] / record["step_time_s"], step)
+
+  def close(self) -> None:
+    self._writer.close()
+
+
 def progress_line(record: dict[str, Any], total_steps: int) -> str:
-  """``step 10/150 | loss 5.4321 | 12,345 tok/s | step 0.210 s | TP degree 7``."""
+  """``step 10/150 | loss 5.4321 | val 5.5012 | 12,345 tok/s | step 0.210 s | TP degree 7``.
+
+  A step that compiled its programs shows ``compile + step 3.1 s`` instead of
+  a rate (compilation is not training speed); ``val`` appears on steps
+  that evaluated.
+  """
   degree = ",".join(map(str, record.get("tp_degrees", [record["tp_degree"]])))
+  val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+  if record.get("compiled"):
+    speed = f"compile + step {record['step_time_s']:.1f} s"
+  else:
+    speed = (f"{record['tokens'] / record['step_time_s']:,.0f} tok/s | "
+             f"step {record['step_time_s']:.3f} s")
   return (f"step {record['step']:>{len(str(total_steps))}}/{total_steps} | "
-          f"loss {record['loss']:.4f} | {record['tokens'] / record['step_time_s']:,.0f} tok/s | "
-          f"step {record['step_time_s']:.3f} s | TP degree {degree}")
+          f"loss {record['loss']:.4f}{val} | {speed} | TP degree {degree}")
 
 
 def read_records(path: str) -> list[dict[str, Any]]:

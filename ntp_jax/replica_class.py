@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from ntp_jax.layers.params import TPParam, sum_shared_grads
 from ntp_jax.mesh import DP, TP, class_mesh
+from ntp_jax.model_spec import default_loss
 from ntp_jax.optim import clip_by_logical_norm, logical_norm
 from ntp_jax.placement import LogicalSource, place_logical, read_logical
 from ntp_jax.sources import InitSource
@@ -47,6 +48,8 @@ class ClassProgram:
   grad: Callable[..., Any] | None = None  # several classes: (params, batch) -> (loss, sync blocks)
   update: Callable[..., Any] | None = None  # several classes: (params, opt, blocks) -> ...
   grads_only: Callable[..., Any] | None = None  # single class: (params, batch) -> (loss, grads)
+  loss: Callable[..., Any] = default_loss  # (module, tokens, targets) -> f32 sum over local rows
+  eval_loss: Callable[..., Any] | None = None  # (params, rows) -> per-row loss; made on first use
 
   @property
   def replicas(self) -> int:
@@ -102,13 +105,13 @@ def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State, m
   return jax.jit(optimizer.init, out_shardings=class_shardings(abstract, mesh))(params)
 
 
-def _local_grads(graphdef, params_local, batch, global_tokens):
+def _local_grads(graphdef, params_local, batch, global_tokens, loss):
   """Inside the body: this replica's loss share and gradients on its local blocks."""
   params = unstack_local(params_local)
 
   def loss_of(p):
     # batch: int32 [local sequences, seq + 1]
-    return nnx.merge(graphdef, p).loss_sum(batch[:, :-1], batch[:, 1:]) / global_tokens
+    return loss(nnx.merge(graphdef, p), batch[:, :-1], batch[:, 1:]) / global_tokens
 
   loss, grads = jax.value_and_grad(loss_of)(params)
   return loss, sum_shared_grads(grads)
@@ -124,14 +127,16 @@ def _update(optimizer, clip_norm, replicas):
 
 
 def make_loss_and_grad(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
-                       global_tokens: int) -> Callable[..., Any]:
+                       global_tokens: int, loss: Callable[..., Any] = default_loss
+                       ) -> Callable[..., Any]:
   """``f(params, batch) -> (loss, grads)`` for one class, all-reduced over its replicas.
 
   Args:
-    graphdef, params: the model (it has ``loss_sum(tokens, targets)``) and
-      its replica-stacked parameters (for the specs).
+    graphdef, params: the model and its replica-stacked parameters (for the specs).
     mesh: the class mesh.
     global_tokens: predicted tokens in the whole step, over every class.
+    loss: ``(module, tokens, targets) -> f32`` sum over the local rows
+      (``model_spec.ModelSpec.loss``; default ``module.loss_sum``).
 
   The function takes ``batch: int32 [class sequences, seq_len + 1]`` and
   returns the class's share of the mean loss (f32 scalar) and its gradient,
@@ -140,18 +145,35 @@ def make_loss_and_grad(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
   specs = replica_specs(params)
 
   def body(params_local, batch):
-    loss, grads = _local_grads(graphdef, params_local, batch, global_tokens)
+    value, grads = _local_grads(graphdef, params_local, batch, global_tokens, loss)
     # DP all-reduce inside the class: every replica holds the same layout.
-    return jax.lax.psum(loss, DP), restack_local(jax.lax.psum(grads, DP))
+    return jax.lax.psum(value, DP), restack_local(jax.lax.psum(grads, DP))
 
   return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DP)), out_specs=(P(), specs))
+
+
+def make_eval_loss(program: ClassProgram) -> Callable[..., Any]:
+  """``f(params, rows) -> f32``: the summed loss of ``rows``, computed by every replica.
+
+  ``rows`` is int32 ``[n, seq_len + 1]``, replicated over the class mesh.
+  """
+  specs = replica_specs(program.params)
+  graphdef, loss = program.graphdef, program.loss
+
+  def body(params_local, rows):
+    model = nnx.merge(graphdef, unstack_local(params_local))
+    # Every replica computed the same value: the mean makes that visible to shard_map.
+    return jax.lax.pmean(loss(model, rows[:, :-1], rows[:, 1:]), DP)
+
+  return jax.shard_map(body, mesh=program.mesh, in_specs=(specs, P()), out_specs=P())
 
 
 def make_fused_step(program: ClassProgram, optimizer: optax.GradientTransformation,
                     clip_norm: float, global_tokens: int):
   """Single-class step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``."""
   specs = replica_specs(program.params)
-  grads_fn = make_loss_and_grad(program.graphdef, program.params, program.mesh, global_tokens)
+  grads_fn = make_loss_and_grad(program.graphdef, program.params, program.mesh, global_tokens,
+                                program.loss)
   update = _update(optimizer, clip_norm, program.replicas)
 
   def step(params, opt_state, batch):
@@ -174,7 +196,7 @@ def make_split_step(program: ClassProgram, optimizer: optax.GradientTransformati
   graphdef = program.graphdef
 
   def grad_body(params_local, batch):
-    loss, grads = _local_grads(graphdef, params_local, batch, global_tokens)
+    loss, grads = _local_grads(graphdef, params_local, batch, global_tokens, program.loss)
     blocks = to_sync_blocks(grads, degree, t_min)
     # Every slot's sync block is its own: stack them over 'dp' and 'tp'.
     return jax.lax.psum(loss, DP), {k: v[None] for k, v in blocks.items()}
@@ -242,7 +264,8 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
                          optimizer: optax.GradientTransformation, clip_norm: float,
                          global_tokens: int, devices: Sequence[jax.Device], *,
                          source: LogicalSource | None = None,
-                         cache: ProgramCache | None = None) -> list[ClassProgram]:
+                         cache: ProgramCache | None = None,
+                         loss: Callable[..., Any] = default_loss) -> list[ClassProgram]:
   """Place every class's parameters and optimizer state and compile its step.
 
   Args:
@@ -253,6 +276,7 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
       degree-1 model (``InitSource``). Optimizer state the source does not
       hold starts from ``optimizer.init``.
     cache: reuse step functions compiled for an equal class before.
+    loss: ``(module, tokens, targets) -> f32`` sum over a device's rows.
 
   Raises:
     ValueError: the source holds part of the optimizer state only.
@@ -273,7 +297,8 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
     else:
       raise ValueError(f"optimizer state: the source holds {len(opt_paths)} of "
                        f"{len(jax.tree.leaves(target['opt_state']))} leaves")
-    programs.append(ClassProgram(replica_class, mesh, graphdef, state["params"], opt_state))
+    programs.append(ClassProgram(replica_class, mesh, graphdef, state["params"], opt_state,
+                                 loss=loss))
   attach_steps(plan, programs, optimizer, clip_norm, global_tokens, cache or ProgramCache())
   return programs
 
@@ -286,7 +311,8 @@ def attach_steps(plan: Plan, programs: list[ClassProgram],
   for program in programs:
     c = program.replica_class
     fused = len(programs) == 1
-    key = (program.mesh, c.layouts, fused, t_min, global_tokens, id(optimizer), clip_norm)
+    key = (program.mesh, c.layouts, fused, t_min, global_tokens, id(optimizer), clip_norm,
+           program.loss)
     what = f"class program (TP degree {c.degree}, replicas {list(c.replicas)})"
     if fused:
       program.step = cache.get(key, what, lambda: make_fused_step(
@@ -329,7 +355,7 @@ class JobStep:
       if program.grads_only is None:
         program.grads_only = jax.jit(make_loss_and_grad(
             program.graphdef, program.params, program.mesh,
-            self.plan.global_batch * (batch.shape[1] - 1)))
+            self.plan.global_batch * (batch.shape[1] - 1), program.loss))
       loss, grads = program.grads_only(program.params,
                                        jax.device_put(batch, program.batch_sharding))
       jax.block_until_ready(grads)
@@ -337,6 +363,22 @@ class JobStep:
     losses, synced = self._synced_gradients(batch)
     jax.block_until_ready(synced)
     return float(sum(float(loss) for loss in losses))
+
+  def eval_loss(self, sequences: np.ndarray) -> float:
+    """Mean next-token loss of ``sequences`` (int32 ``[n, seq_len + 1]``), no update.
+
+    Every replica holds the same parameters, so the first class evaluates:
+    each of its replicas computes every row, in chunks of the class's
+    training batch share (so activations fit as in a step; a shorter last
+    chunk compiles once more).
+    """
+    program = self.programs[0]
+    rows = program.replica_class.batch_share
+    if program.eval_loss is None:
+      program.eval_loss = jax.jit(make_eval_loss(program))
+    total = sum(float(program.eval_loss(program.params, sequences[start:start + rows]))
+                for start in range(0, len(sequences), rows))
+    return total / (len(sequences) * (sequences.shape[1] - 1))
 
   def _synced_gradients(self, batch: np.ndarray) -> tuple[list[jax.Array], list[dict]]:
     """Several classes: each class's loss share and its synced gradient blocks."""

@@ -14,31 +14,28 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
-from models.gpt import GPT, GPTConfig, count_params, model_layouts
 from ntp_jax.checkpoint import Checkpoints
 from ntp_jax.goodput import plot_run
 from ntp_jax.loop import TrainingRun
 from ntp_jax.data import make_dataset
 from ntp_jax.errors import ConfigError
-from ntp_jax.footprint import (ClassFootprint, class_footprints, device_bytes, footprint_table,
+from ntp_jax.footprint import (ClassFootprint, abstract_program, class_footprints, device_bytes, footprint_table,
                                per_device_flops, resident_fraction, shortfall)
-from ntp_jax.mesh import class_mesh
-from ntp_jax.metrics import MetricsWriter
+from ntp_jax.metrics import MetricsWriter, TensorBoardWriter
+from ntp_jax.model_spec import ModelSpec, load_model_spec
 from ntp_jax.optim import make_optimizer
 from ntp_jax.plan import Plan, make_plan, parse_failed
 from ntp_jax.recovery import Event, check_events, failed_text, parse_events
-from ntp_jax.replica_class import abstract_class_state, class_shardings
 from ntp_jax.report import parameter_table
 from ntp_jax.signals import StopSignals
 from ntp_jax.shard import replica_view
 from ntp_jax.sync import sync_traffic
 
 
-def plan_from_config(config, cfg: GPTConfig) -> Plan:
+def plan_from_config(config, model: ModelSpec) -> Plan:
   """The job's plan from ``mesh.*``, ``ntp.*`` and ``train.batch_size``."""
-  return make_plan_from(config, cfg, config.ntp.failed)
+  return make_plan_from(config, model, config.ntp.failed)
 
 
 def check_devices(plan: Plan) -> list[jax.Device]:
@@ -64,6 +61,10 @@ def check_train_fields(train_cfg) -> None:
   for name in ("steps", "batch_size", "seq_len", "log_every"):
     if train_cfg[name] < 1:
       raise ConfigError(f"train.{name}: must be >= 1, got {train_cfg[name]}")
+  if train_cfg.get("eval_every", 0) < 0:
+    raise ConfigError(f"train.eval_every: must be >= 0 (0 = off), got {train_cfg.eval_every}")
+  if train_cfg.get("eval_every", 0) and train_cfg.get("eval_sequences", 1) < 1:
+    raise ConfigError(f"train.eval_sequences: must be >= 1, got {train_cfg.eval_sequences}")
 
 
 def check_checkpoint_fields(config) -> None:
@@ -95,9 +96,9 @@ def check_same_data(config, meta: dict, where: str, log) -> None:
                       f"{config.train.seq_len}); resume with {old} or set "
                       "checkpoint.resume=False")
   for section, field in (("train", "seed"), ("data", "path"), ("data", "max_corpus_bytes"),
-                         ("model", "vocab_size")):
+                         ("data", "val_fraction"), ("model", "vocab_size")):
     before = written.get(section, {}).get(field)
-    if before is not None and before != config[section][field]:
+    if before is not None and before != config[section].get(field):
       log(f"warning: {section}.{field} was {before!r} when {where} was written, now "
           f"{config[section][field]!r}: the data order differs from the first run")
 
@@ -141,8 +142,12 @@ def events_from_config(config, plan: Plan) -> tuple[list[Event], set[tuple[int, 
   return events, failed
 
 
-def train(config, *, log=print, detector=None) -> dict[str, Any]:
+def train(config, *, model: ModelSpec | None = None, log=print,
+          detector=None) -> dict[str, Any]:
   """Train the model of ``config`` and return a summary.
+
+  The model is ``model``, or the ``ModelSpec`` that ``model.factory`` names
+  (default the GPT of ``models.gpt``); see ``ntp_jax.model_spec``.
 
   Appends to ``<workdir>/metrics.jsonl`` (one JSON object per step: ``step``,
   ``loss``, ``tokens``, ``step_time_s``, ``tp_degree`` (the smallest live TP
@@ -168,21 +173,22 @@ def train(config, *, log=print, detector=None) -> dict[str, Any]:
   """
   check_train_fields(config.train)
   check_checkpoint_fields(config)
-  cfg = GPTConfig.from_config(config.model)
+  model = model or load_model_spec(config)
   optimizer = make_optimizer(config.train)  # validates the optimizer fields up front
-  plan = plan_from_config(config, cfg)
+  plan = plan_from_config(config, model)
   devices = check_devices(plan)
   events, failed = events_from_config(config, plan)
   metrics_path = os.path.join(config.workdir, "metrics.jsonl")
-  footprints = check_footprint(config, cfg, plan, optimizer, devices, log)
+  footprints = check_footprint(config, model, plan, optimizer, devices, log)
   if config.get("dry_run", False):
     return {"losses": [], "plan": plan, "programs": [], "footprints": footprints,
             "dry_run": True, "metrics_path": metrics_path}
 
   # The data first: a bad data.path stops here, before any checkpoint folder is touched.
-  dataset = make_dataset(config.data.path or None, cfg.vocab_size, config.train.seq_len,
+  dataset = make_dataset(config.data.path or None, model.vocab_size, config.train.seq_len,
                          config.workdir, config.train.seed,
-                         max_corpus_bytes=config.data.max_corpus_bytes)
+                         max_corpus_bytes=config.data.max_corpus_bytes,
+                         val_fraction=config.data.get("val_fraction", 0.0))
   dataset.check_batch_size(plan.global_batch)
 
   checkpoints = None
@@ -191,7 +197,7 @@ def train(config, *, log=print, detector=None) -> dict[str, Any]:
                               field="checkpoint.dir" if config.checkpoint.dir else "workdir")
   try:
     start_step, cursor, source, plan, events = _resume_point(
-        config, cfg, checkpoints, plan, events, failed, log)
+        config, model, checkpoints, plan, events, failed, log)
   except BaseException:
     if checkpoints is not None:  # orbax's threads must stop before the process ends
       checkpoints.close()
@@ -208,7 +214,7 @@ def train(config, *, log=print, detector=None) -> dict[str, Any]:
 
   with StopSignals() as stop:
     try:
-      return _run(config, cfg, optimizer, plan, devices, checkpoints, start_step, cursor,
+      return _run(config, model, optimizer, plan, devices, checkpoints, start_step, cursor,
                   source, stop, log, events, failed, detector, dataset)
     except KeyboardInterrupt:
       where = checkpoints and checkpoints.latest_step()
@@ -225,42 +231,35 @@ class ResourceError(ConfigError):
   """The devices cannot hold the plan's step (one line saying what it needs)."""
 
 
-def make_gpt(cfg: GPTConfig, seed: int):
-  """``layouts -> GPT`` of ``cfg`` with parameters drawn from ``seed``."""
-  return lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(seed))
-
-
 def resident_bytes(plan: Plan, make_model, optimizer, devices) -> list[int]:
   """Per class, bytes one device holds of parameters and optimizer state (shapes only)."""
-  out = []
-  for c in plan.classes:
-    mesh = class_mesh(c.replicas, c.live_slots, plan.tp, devices)
-    _, target = abstract_class_state(lambda: make_model(c.layouts), len(c.replicas), optimizer)
-    shardings = class_shardings(target, mesh)
-    out.append(device_bytes(jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)))
-  return out
+  programs = [abstract_program(plan, c, make_model, optimizer, 1, devices)[0]
+              for c in plan.classes]
+  return [device_bytes(p.params) + device_bytes(p.opt_state) for p in programs]
 
 
-def footprint(config, cfg: GPTConfig, plan: Plan, optimizer, devices) -> list[ClassFootprint]:
+def footprint(config, model: ModelSpec, plan: Plan, optimizer, devices) -> list[ClassFootprint]:
   """Per-device bytes and flops of every class's step (``ntp_jax.footprint``), allocating nothing.
 
-  Memory is that of the model as configured (scanned, rematerialised);
-  flops come from the unrolled model at 2 and 3 layers, extended to
-  ``model.n_layers`` (XLA counts a loop body once).
+  Memory is that of the model as configured (scanned, rematerialised).
+  Flops: with ``model.unrolled``, from the unrolled model at 2 and 3 layers,
+  extended to ``model.n_layers`` (XLA counts a loop body once); otherwise
+  the compiled program's own count.
   """
   args = (optimizer, config.train.clip_norm, config.train.seq_len, devices)
-  footprints = class_footprints(plan, make_gpt(cfg, config.train.seed), *args)
+  footprints = class_footprints(plan, model.make, *args, loss=model.loss)
+  if model.unrolled is None or model.n_layers is None:
+    return footprints
 
   def flops_at(n_layers):
-    small = dataclasses.replace(cfg, n_layers=n_layers, scan_layers=False)
-    return [f.flops for f in class_footprints(plan, make_gpt(small, config.train.seed), *args)]
+    small = model.unrolled(n_layers)
+    return [f.flops for f in class_footprints(plan, small.make, *args, loss=small.loss)]
 
-  flops = per_device_flops(flops_at, cfg.n_layers)
+  flops = per_device_flops(flops_at, model.n_layers)
   return [dataclasses.replace(f, flops=x) for f, x in zip(footprints, flops)]
 
 
-def check_footprint(config, cfg: GPTConfig, plan: Plan, optimizer, devices,
+def check_footprint(config, model: ModelSpec, plan: Plan, optimizer, devices,
                     log) -> list[ClassFootprint] | None:
   """The memory and compute plan, before anything is allocated.
 
@@ -274,26 +273,26 @@ def check_footprint(config, cfg: GPTConfig, plan: Plan, optimizer, devices,
       needs and what there is.
   """
   dry_run = config.get("dry_run", False)
-  resident = resident_bytes(plan, make_gpt(cfg, config.train.seed), optimizer, devices)
+  resident = resident_bytes(plan, model.make, optimizer, devices)
   fraction = resident_fraction(plan, resident, devices)
   if not dry_run and (fraction is None or fraction <= 0.25):
     return None
-  footprints = footprint(config, cfg, plan, optimizer, devices)
+  footprints = footprint(config, model, plan, optimizer, devices)
   tokens = plan.global_batch * config.train.seq_len
   log(plan.describe())
   log(footprint_table(footprints))
   log(f"tokens per step: {tokens:,}; model flops per token "
-      f"(6 x parameters): {6 * count_params(cfg):.3e}")
+      f"(6 x parameters): {6 * model.param_count:.3e}")
   problem = shortfall(footprints, devices)
   if dry_run:
     log(f"dry run: {problem or 'the devices can hold this plan'}")
     return footprints
   if problem:
-    raise ResourceError(problem)
+    raise ResourceError(f"{problem} (the plan above; --config.dry_run=True prints it only)")
   return footprints
 
 
-def _resume_point(config, cfg, checkpoints, plan, events, failed, log):
+def _resume_point(config, model, checkpoints, plan, events, failed, log):
   """Where the run starts: ``(step, data cursor, source, plan, events)``.
 
   From the latest checkpoint when there is one (and ``checkpoint.resume``):
@@ -317,27 +316,38 @@ def _resume_point(config, cfg, checkpoints, plan, events, failed, log):
     for e in sorted(e for e in events if e.step < start_step):
       (failed.add if e.kind == "fail" else failed.discard)((e.replica, e.slot))
     events = [e for e in events if e.step >= start_step]
-    plan = make_plan_from(config, cfg, failed_text(failed))
+    plan = make_plan_from(config, model, failed_text(failed))
   return start_step, cursor, source, plan, events
 
 
-def make_plan_from(config, cfg: GPTConfig, failed: str) -> Plan:
+def make_plan_from(config, model: ModelSpec, failed: str) -> Plan:
   """The plan of ``config`` with ``failed`` in place of ``ntp.failed``."""
-  return make_plan(functools.partial(model_layouts, cfg), tp=config.mesh.tp, dp=config.mesh.dp,
+  return make_plan(model.layouts, tp=config.mesh.tp, dp=config.mesh.dp,
                    failed=failed, slot_weights=config.ntp.get("slot_weights", ""),
                    batch_size=config.train.batch_size,
                    rebalance=config.ntp.get("rebalance", "proportional"))
 
 
-def _run(config, cfg, optimizer, plan, devices, checkpoints, start_step, cursor, source, stop,
+def _run(config, model, optimizer, plan, devices, checkpoints, start_step, cursor, source, stop,
          log, events, failed, detector, dataset) -> dict[str, Any]:
   """Programs and the loop of ``train`` from ``start_step``, data cursor at ``cursor``."""
   log(dataset.describe())
   writer = MetricsWriter(config.workdir)
-  run = TrainingRun(config, make_plan=functools.partial(make_plan_from, config, cfg),
-                    make_model=make_gpt(cfg, config.train.seed),
+  eval_rows = None
+  if config.train.get("eval_every", 0) and dataset.validation is not None:
+    count = min(config.train.eval_sequences, dataset.validation.num_sequences)
+    eval_rows = dataset.validation.sequences(0, count)  # a fixed set: the same every time
+    log(f"validation: mean loss of {count} held-out sequences every "
+        f"{config.train.eval_every} steps")
+  elif config.train.get("eval_every", 0):
+    log("validation: off (data.val_fraction=0 holds out no sequences)")
+  board = TensorBoardWriter(os.path.join(config.workdir, "tensorboard")) if config.train.get(
+      "tensorboard", False) else None
+  run = TrainingRun(config, make_plan=functools.partial(make_plan_from, config, model),
+                    make_model=model.make, loss=model.loss,
                     optimizer=optimizer, devices=devices, dataset=dataset,
-                    checkpoints=checkpoints, writer=writer, log=log, failed=failed)
+                    checkpoints=checkpoints, writer=writer, log=log, failed=failed,
+                    eval_rows=eval_rows, on_record=board.write if board else None)
   try:
     run.start(plan, source, start_step, cursor)
     # Shapes only: slicing one replica's copy out of the stacked arrays would copy them.
@@ -347,7 +357,8 @@ def _run(config, cfg, optimizer, plan, devices, checkpoints, start_step, cursor,
           f"replicas {list(program.replica_class.replicas)}):")
       log(parameter_table(shape))
     if len(run.programs) > 1:
-      traffic = sync_traffic(plan, shapes, np.dtype(cfg.storage_dtype).itemsize)
+      itemsize = max(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes[0]))
+      traffic = sync_traffic(plan, shapes, itemsize)
       log(f"gradient sync per step: {traffic['cross_replica'] / 1e6:.2f} MB across domains, "
           f"{traffic['intra_domain'] / 1e6:.2f} MB inside domains "
           f"(logical gradient {traffic['logical'] / 1e6:.2f} MB)")
@@ -374,15 +385,35 @@ def _run(config, cfg, optimizer, plan, devices, checkpoints, start_step, cursor,
         log(f"checkpoint written to {where}")
   finally:
     writer.close()
+    if board is not None:
+      board.close()
   return {"losses": run.losses, "plan": run.plan, "programs": run.programs,
           "start_step": start_step, "interrupted": stop.received is not None,
           "checkpoint": where, "metrics_path": writer.path, "goodput": run.clock.buckets(),
           "cache": (run.cache.hits, run.cache.misses), "moved_bytes": run.moved_bytes,
-          "redone_steps": run.redone_steps}
+          "redone_steps": run.redone_steps, "records": run.records}
+
+
+def closing_summary(records: list[dict[str, Any]], wall_s: float, metrics_path: str) -> str:
+  """Steps, tokens, wall time, tokens/s after compilation, final losses, where the metrics are."""
+  if not records:
+    return f"summary: no step run; metrics: {metrics_path}"
+  tokens = sum(r["tokens"] for r in records)
+  timed = [r for r in records if not r.get("compiled")]
+  rate = (f"{sum(r['tokens'] for r in timed) / sum(r['step_time_s'] for r in timed):,.0f} "
+          "tokens/s after compilation" if timed else "every step compiled")
+  compile_s = sum(r["step_time_s"] for r in records if r.get("compiled"))
+  val = [r["val_loss"] for r in records if "val_loss" in r]
+  losses = f"final loss {records[-1]['loss']:.4f}" + (
+      f", validation loss {val[-1]:.4f}" if val else ", no validation loss")
+  return (f"summary: {len(records)} steps ({records[0]['step']}-{records[-1]['step']}), "
+          f"{tokens:,} tokens in {wall_s:.1f} s (compiling steps {compile_s:.1f} s); "
+          f"{rate}; {losses}\n  metrics: {metrics_path}")
 
 
 def finish(run: TrainingRun, config, log) -> None:
-  """Closing summary: goodput buckets, program cache, and the plot when events happened."""
+  """Closing summary: the run's figures, goodput buckets, program cache, the plot."""
+  log(closing_summary(run.records, run.clock.wall(), run.writer.path))
   log(run.clock.summary())
   if run.redone_steps:
     log(f"redone: {run.redone_steps} step(s)")

@@ -30,7 +30,7 @@ def test_bin_file_is_served_as_packed_sequences(tmp_path):
   stream_order = batch[np.argsort(ds.epoch_order(0))]
   np.testing.assert_array_equal(stream_order.ravel(), tokens[:30 * 17])
   line = ds.describe()
-  assert "train.bin" in line and "pre-tokenized" in line and "\n" not in line
+  assert "train.bin" in line and "pre-tokenized" in line and len(line.splitlines()) == 3
 
 
 def test_bin_file_as_the_only_glob_match(tmp_path):
@@ -43,8 +43,8 @@ def test_token_at_or_above_vocab_size(tmp_path):
   with pytest.raises(DataError) as error:
     build(path, tmp_path, vocab_size=512, seq_len=4)
   message = str(error.value)
-  assert message.startswith("data.path:")
-  assert "512" in message and "\n" not in message
+  assert message.startswith("model.vocab_size: 512, but token file")
+  assert "token id 512" in message and "\n" not in message
   # The same file passes with a vocabulary large enough (the cached scan of
   # the file is checked against each vocabulary size).
   assert build(path, tmp_path, vocab_size=513, seq_len=4).num_tokens == 60

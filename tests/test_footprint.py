@@ -13,10 +13,10 @@ import pytest
 
 import configs.gpt_8b
 from models.gpt import GPTConfig, count_params
-from ntp_jax.footprint import device_bytes, host_memory_available
-from ntp_jax.trainer import make_gpt, make_plan_from, train
-from ntp_jax.replica_class import abstract_class_state, class_shardings
-from ntp_jax.mesh import class_mesh
+from ntp_jax.footprint import (abstract_program, class_footprints, device_bytes,
+                               host_memory_available)
+from models.gpt import gpt_spec
+from ntp_jax.trainer import footprint, make_plan_from, train
 from ntp_jax.optim import make_optimizer
 from test_train import ROOT, tiny_config
 
@@ -97,16 +97,12 @@ def test_parameter_bytes_per_device_match_the_hand_count():
   optimizer = make_optimizer(config.train)
   sizes = {}
   for failed in ("", "3"):
-    plan = make_plan_from(config, cfg, failed)
-    c = plan.classes[0]
-    mesh = class_mesh(c.replicas, c.live_slots, plan.tp, jax.devices())
-    _, target = abstract_class_state(lambda: make_gpt(cfg, 0)(c.layouts), 1, optimizer)
-    shardings = class_shardings(target, mesh)
-    sharded = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                           target, shardings)
-    sizes[failed] = device_bytes(sharded["params"])
+    plan = make_plan_from(config, gpt_spec(cfg, 0), failed)
+    program, _ = abstract_program(plan, plan.classes[0], gpt_spec(cfg, 0).make, optimizer,
+                                  config.train.seq_len, jax.devices())
+    sizes[failed] = device_bytes(program.params)
     # Adam: two float32 moments per parameter (and a step count).
-    assert abs(device_bytes(sharded["opt_state"]) - 2 * sizes[failed]) < 64
+    assert abs(device_bytes(program.opt_state) - 2 * sizes[failed]) < 64
   norms_8 = 8 * (2 * cfg.n_layers + 1) * cfg.d_model * 4  # replicated on every device
   assert sizes[""] * 8 - norms_8 == (count_params(cfg) - (2 * cfg.n_layers + 1) * cfg.d_model) * 4
   assert sizes["3"] / sizes[""] == pytest.approx(_degraded_over_healthy(cfg), rel=1e-12)
@@ -137,16 +133,14 @@ def test_dry_run_allocates_nothing_and_reports_every_class(tmp_path):
 
 
 def test_flops_extended_from_two_layers_equal_the_unrolled_model(tmp_path):
-  from ntp_jax.footprint import class_footprints
   config = tiny_config(tmp_path, **{"model.n_layers": 5, "mesh.tp": 4, "ntp.failed": "1"})
   cfg = GPTConfig.from_config(config.model)
-  plan = make_plan_from(config, cfg, "1")
+  plan = make_plan_from(config, gpt_spec(cfg, 0), "1")
   args = (make_optimizer(config.train), 1.0, config.train.seq_len, jax.devices())
-  from ntp_jax.trainer import footprint
-  extended = footprint(config, cfg, plan, args[0], args[3])[0].flops
+  extended = footprint(config, gpt_spec(cfg, 0), plan, args[0], args[3])[0].flops
   unrolled = dataclasses.replace(cfg, scan_layers=False)
-  measured = class_footprints(plan, make_gpt(unrolled, 0), *args)[0].flops
-  scanned = class_footprints(plan, make_gpt(cfg, 0), *args)[0].flops
+  measured = class_footprints(plan, gpt_spec(unrolled, 0).make, *args)[0].flops
+  scanned = class_footprints(plan, gpt_spec(cfg, 0).make, *args)[0].flops
   # XLA fuses a few elementwise ops differently from one depth to the next (~1e-7).
   assert extended == pytest.approx(measured, rel=1e-6)
   assert scanned < measured  # the loop body counted once: why the extension is needed

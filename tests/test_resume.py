@@ -187,8 +187,8 @@ def test_checkpoint_of_another_model_and_a_damaged_one_are_one_line_errors(tmp_p
                               "--config.model.d_ff=256"))
   assert rc == 2
   assert err.strip().splitlines()[-1].startswith("error: checkpoint "), err[-2000:]
-  assert "params/blocks/0/mlp/down/kernel has shape (384, 128)" in err
-  assert "expects (256, 128)" in err and "Traceback" not in err
+  assert "params/blocks/mlp/down/kernel has shape (2, 384, 128)" in err
+  assert "expects (2, 256, 128)" in err and "Traceback" not in err
   # Damage the data files of the checkpoint: a one-line error naming its folder.
   step_dir = tmp_path / "checkpoints" / "2"
   data_files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir / "state") for f in fs

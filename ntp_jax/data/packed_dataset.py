@@ -207,26 +207,26 @@ class PackedDataset:
       return order
 
   def describe(self) -> str:
-    """One line for logs: source, files/docs, tokens, sequences, tokenizer."""
+    """A few short lines for logs: where the text came from, the split, the tokenizer."""
     info = self.info
-    docs = "" if info.num_docs is None else f", {info.num_docs:,} docs"
+    origin = f"data: {info.source}, {info.num_files:,} file(s)"
+    if info.num_docs is not None:
+      origin += f", {info.num_docs:,} docs"
     if info.num_text_bytes is not None:
-      cut = " (cut at the byte budget)" if info.truncated else ""
-      docs += f", {info.num_text_bytes:,} bytes{cut}"
+      origin += f", {info.num_text_bytes:,} bytes" + (
+          " (cut at data.max_corpus_bytes)" if info.truncated else "")
     val = self.validation.num_sequences if self.validation is not None else 0
-    counts = (f"{self.num_sequences:,} {self.split} sequences"
-              if self.split != "train" else
-              f"{self.num_sequences:,} train + {val:,} val sequences")
+    counts = (f"{self.num_sequences:,} {self.split}" if self.split != "train" else
+              f"{self.num_sequences:,} train + {val:,} val")
+    split = (f"  {info.num_tokens:,} tokens -> {counts} sequences of {self.seq_len + 1} "
+             f"tokens (order seed {self.seed})")
     if info.tokenizer_path is None:
-      tokenizer = "pre-tokenized, no tokenizer"
+      tokenizer = f"  pre-tokenized, vocabulary {self.vocab_size:,}"
     else:
-      tokenizer = (f"tokenizer {info.tokenizer_path} "
+      tokenizer = (f"  tokenizer: {info.tokenizer_path} "
                    f"({self.tokenizer.get_vocab_size():,} tokens)")
-    cached = "reused from cache" if info.from_cache else "built"
-    return (f"data: {info.source}: {info.num_files:,} files{docs}, "
-            f"{info.num_tokens:,} tokens, {counts} of {self.seq_len + 1} "
-            f"tokens, vocab {self.vocab_size:,}, seed {self.seed}; "
-            f"{tokenizer}; {cached}")
+    tokenizer += ", reused from cache" if info.from_cache else ", built"
+    return "\n".join([origin, split, tokenizer])
 
 
 def _is_int(value) -> bool:

@@ -56,9 +56,9 @@ def load_token_file(path: str, vocab_size: int,
       lambda _, meta: _cached_max_token(meta, tokens.size))
   if max_token >= vocab_size:
     raise field_error(
-        "path", f"token file {path!r} holds token id {max_token}, "
-        f"not below the model vocabulary size {vocab_size}; raise the "
-        "vocabulary size or re-tokenize")
+        "vocab_size", f"{vocab_size}, but token file {path!r} (data.path) "
+        f"holds token id {max_token}; set model.vocab_size above {max_token} "
+        "or re-tokenize")
   return tokens, from_cache
 
 

@@ -1,0 +1,84 @@
+"""What the trainer needs of a model: its layouts, a factory, a loss, and a few sizes.
+
+The trainer does not know any model. ``model.factory`` in the config names a
+function ``"package.module:function"`` that takes the whole config and
+returns a ``ModelSpec``; ``models.gpt:model_spec`` is the Llama-style GPT.
+A model of your own is any Flax NNX module built from ``ntp_jax.layers``
+whose ``__call__`` runs inside ``shard_map`` (see docs/custom_model.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from ntp_jax.errors import ConfigError
+
+Layouts = Any  # a model's layouts of one TP group; must be hashable and have ``degree``
+
+
+def default_loss(model: nnx.Module, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+  """``model.loss_sum(tokens, targets)``: f32 sum of per-token losses over the local rows."""
+  return model.loss_sum(tokens, targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """A model as the trainer uses it.
+
+  Attributes:
+    layouts: ``(tp, failed_slots, slot_weights) -> layouts`` of one TP group
+      (``plan.make_plan`` groups replicas by equal layouts).
+    make: ``layouts -> module``. The same seed must give the same logical
+      parameters for every layout (draw logical arrays, then split them, as
+      ``layers.tp_param`` does).
+    vocab_size: token ids the model takes (the data is tokenized to it).
+    param_count: logical parameters (for reports).
+    loss: ``(module, tokens, targets) -> f32 scalar``: the sum of the
+      per-token loss over this device's rows (int32 ``[rows, seq]`` each),
+      called inside ``shard_map``.
+    n_layers: repeated layers, when the flops are to be counted from
+      ``unrolled``; None counts the compiled program as is.
+    unrolled: ``n -> ModelSpec`` of the same model with ``n`` layers and no
+      loop (XLA's cost analysis counts a loop body once; see
+      ``footprint.per_device_flops``), or None.
+    name: for logs.
+  """
+
+  layouts: Callable[[int, Sequence[int], Sequence[float] | None], Layouts]
+  make: Callable[[Layouts], nnx.Module]
+  vocab_size: int
+  param_count: int
+  loss: Callable[[nnx.Module, jax.Array, jax.Array], jax.Array] = default_loss
+  n_layers: int | None = None
+  unrolled: Callable[[int], ModelSpec] | None = None
+  name: str = "model"
+
+
+def load_model_spec(config) -> ModelSpec:
+  """The ``ModelSpec`` of ``config.model.factory`` (``"module:function"``) for ``config``.
+
+  Raises:
+    ConfigError: naming ``model.factory`` when it is malformed, cannot be
+      imported, or does not return a ``ModelSpec``.
+  """
+  name = config.model.get("factory", "models.gpt:model_spec")
+  module_name, _, function = name.partition(":")
+  if not module_name or not function:
+    raise ConfigError(f"model.factory: {name!r} is not 'package.module:function'")
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError as err:
+    raise ConfigError(f"model.factory: cannot import {module_name!r} ({err})") from None
+  factory = getattr(module, function, None)
+  if factory is None:
+    raise ConfigError(f"model.factory: {module_name!r} has no {function!r}")
+  spec = factory(config)
+  if not isinstance(spec, ModelSpec):
+    raise ConfigError(f"model.factory: {name} returned {type(spec).__name__}, not a ModelSpec")
+  return spec
