@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from common import emit, load_config  # noqa: E402
+from common import emit, load_config, progress  # noqa: E402
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.checkpoint import Checkpoints  # noqa: E402
 from ntp_jax.optim import make_optimizer  # noqa: E402
@@ -67,7 +67,7 @@ def batch(cfg, config, rows, step):
 def run_steps(cfg, config, plan, job, steps, first, store=None):
   """Median step time (s) and median save stall (s) over ``steps`` steps."""
   times, stalls = [], []
-  for step in range(first, first + steps):
+  for step in progress(range(first, first + steps), "saving" if store else "steps"):
     start = time.perf_counter()
     float(job(batch(cfg, config, plan.global_batch, step))["loss"])
     if store is not None:

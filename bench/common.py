@@ -1,7 +1,8 @@
-"""Helpers shared by the benchmarks: simulated devices, load a config file, print a table."""
+"""Helpers shared by the benchmarks: simulated devices, load a config file, progress, a table."""
 
 import importlib.util
 import os
+import sys
 
 
 def simulate_cpu_devices(count: int = 8) -> None:
@@ -30,3 +31,31 @@ def emit(lines: list[str], out: str = "") -> None:
   if out:
     with open(out, "w", encoding="utf-8") as f:
       f.write(table + "\n")
+
+
+def progress(items, desc: str):
+  """``items`` with a progress bar on stderr (tqdm), so minutes-long runs show where they are."""
+  from tqdm import tqdm
+  items = list(items)
+  return tqdm(items, desc=desc, total=len(items), file=sys.stderr, leave=False)
+
+
+class Stages:
+  """A progress bar over named stages: ``with Stages(4, "recovery") as s: ...; s.next("live")``."""
+
+  def __init__(self, total: int, desc: str):
+    from tqdm import tqdm
+    self.bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
+
+  def next(self, name: str) -> None:
+    """Start stage ``name`` (the previous one is done)."""
+    if self.bar.n or self.bar.postfix:
+      self.bar.update(1)
+    self.bar.set_postfix_str(name)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.bar.update(self.bar.total - self.bar.n)
+    self.bar.close()

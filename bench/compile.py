@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import emit, load_config, simulate_cpu_devices  # noqa: E402
+from common import emit, load_config, progress, simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)
 
@@ -72,7 +72,7 @@ def depth_table(base, config, depths, unrolled):
            "size / smallest |", "|---|---:|---:|---:|---:|---:|---:|"]
   for scan in ([True, False] if unrolled else [True]):
     first = None
-    for n in depths:
+    for n in progress(depths, f"{'scanned' if scan else 'unrolled'} depths"):
       cfg = dataclasses.replace(base, n_layers=n, scan_layers=scan)
       lower_s, compile_s, chars = compile_step(cfg, config)
       first = first or (compile_s, chars)
@@ -89,7 +89,7 @@ def remat_table(base, config, n_layers):
   lines = [f"| model.remat | temp MiB / device | peak MiB / device | temp / none | "
            f"GFLOP / device / step | flops / none |", "|---|---:|---:|---:|---:|---:|"]
   first = None
-  for remat in REMAT_POLICIES:
+  for remat in progress(REMAT_POLICIES, "remat policies"):
     cfg = dataclasses.replace(base, n_layers=n_layers, remat=remat)
     plan = plan_of(cfg, config)
     f = class_footprints(plan, make(cfg), *args)[0]

@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import simulate_cpu_devices  # noqa: E402
+from common import progress, simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)
 
@@ -99,7 +99,8 @@ def main():
   # Unrolled blocks: XLA's cost analysis counts a scanned loop body once.
   cfg = dataclasses.replace(GPTConfig.from_config(config.model), scan_layers=False)
   cache = {}
-  rows = [measure(cfg, config, name, failed, args.steps, cache) for name, failed in SCENARIOS]
+  rows = [measure(cfg, config, name, failed, args.steps, cache)
+          for name, failed in progress(SCENARIOS, "scenarios")]
   base = rows[0]
   lines = [
       f"`python bench/ntp_vs_dropping.py --config {args.config} --steps {args.steps}` "

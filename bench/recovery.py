@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import simulate_cpu_devices  # noqa: E402
+from common import Stages, simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)
 
@@ -115,18 +115,24 @@ def main():
   base = tempfile.mkdtemp(prefix="bench_recovery_")
   quiet = dict(log=lambda *_: None)
   fail = {"ntp.fail_at": f"{FAIL_STEP}@0:3", "train.steps": FAIL_STEP + 2}
-  live = train(configure(args, os.path.join(base, "live"), **fail), **quiet)
-  live_s, live_event = time_to_productive(read_records(live["metrics_path"]), FAIL_STEP)
-  restart = train(configure(args, os.path.join(base, "restart"), **fail,
-                            **{"ntp.recovery": "restart"}), **quiet)
-  restart_s, restart_event = time_to_productive(read_records(restart["metrics_path"]), FAIL_STEP)
-  process_s = process_restart(args, base)
-  config = configure(args, os.path.join(base, "live"))
-  logical = 3 * 4 * count_params(GPTConfig.from_config(config.model))  # f32 params + 2 moments
   steps = args.goodput_steps
   events = {"ntp.fail_at": f"{steps // 4}@0:3,{3 * steps // 5}@1:1",
             "ntp.repair_at": f"{steps // 2}@0:3", "train.steps": steps}
-  long_run = train(configure(args, os.path.join(base, "goodput"), **events), **quiet)
+  with Stages(4, "recovery bench") as stages:
+    stages.next("live")
+    live = train(configure(args, os.path.join(base, "live"), **fail), **quiet)
+    live_s, live_event = time_to_productive(read_records(live["metrics_path"]), FAIL_STEP)
+    stages.next("restart in-process")
+    restart = train(configure(args, os.path.join(base, "restart"), **fail,
+                              **{"ntp.recovery": "restart"}), **quiet)
+    restart_s, restart_event = time_to_productive(read_records(restart["metrics_path"]),
+                                                  FAIL_STEP)
+    stages.next("restart as a new process")
+    process_s = process_restart(args, base)
+    stages.next(f"{steps}-step goodput run")
+    long_run = train(configure(args, os.path.join(base, "goodput"), **events), **quiet)
+  config = configure(args, os.path.join(base, "live"))
+  logical = 3 * 4 * count_params(GPTConfig.from_config(config.model))  # f32 params + 2 moments
   buckets = long_run["goodput"]
   wall = sum(buckets.values())
   lines = [f"`python bench/recovery.py --config {os.path.relpath(args.config, ROOT)} "

@@ -143,7 +143,7 @@ def test_damaged_token_file_scan_is_redone(tmp_path, capsys):
   assert not again.from_cache
   np.testing.assert_array_equal(again.batch(0, 11), first.batch(0, 11))
   # The redone scan still guards the vocabulary.
-  with pytest.raises(DataError, match=r"^data\.path: .*token id 199"):
+  with pytest.raises(DataError, match=r"^model\.vocab_size: 199, .*token id 199"):
     build(str(path), tmp_path, vocab_size=199)
 
 

@@ -155,7 +155,8 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
   cfg = GPTConfig.from_config(config.model)
   optimizer = make_optimizer(config.train)
   dataset = make_dataset(None, cfg.vocab_size, config.train.seq_len, str(workdir),
-                         config.train.seed, max_corpus_bytes=config.data.max_corpus_bytes)
+                         config.train.seed, max_corpus_bytes=config.data.max_corpus_bytes,
+                         val_fraction=config.data.val_fraction)
   losses, cursor, programs, source = [], 0, None, None
   for step, batch in enumerate(batches):
     if programs is None or batch != programs[0].replica_class.batch_share:

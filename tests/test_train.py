@@ -22,6 +22,7 @@ def tiny_config(workdir, **overrides):
   c.data.max_corpus_bytes = 300_000
   c.checkpoint.every = 0  # these runs share a workdir: none may resume another's checkpoint
   c.train.plot = False
+  c.train.eval_every = 0  # validation has its own tests (test_output.py); keep these runs lean
   for key, value in overrides.items():
     section, field = key.split(".")
     c[section][field] = value
