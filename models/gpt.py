@@ -49,8 +49,9 @@ class GPTConfig:
   tie_embeddings: bool = False  # output head = embedding table transposed (no ``head`` param)
 
   def __post_init__(self):
+    """Raises ConfigError, one line naming the ``model.`` field."""
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                 "d_ff"):
+                 "d_ff", "ffn_granularity", "vocab_granularity"):
       if getattr(self, name) < 1:
         raise ConfigError(f"model.{name}: must be >= 1, got {getattr(self, name)}")
     if self.n_heads % self.n_kv_heads:
@@ -58,8 +59,12 @@ class GPTConfig:
                        f"model.n_kv_heads {self.n_kv_heads}")
     if self.head_dim % 2:
       raise ConfigError(f"model.head_dim: RoPE needs an even head_dim, got {self.head_dim}")
-    units_of(self.d_ff, self.ffn_granularity, "model.ffn_granularity")
-    units_of(self.vocab_size, self.vocab_granularity, "model.vocab_granularity")
+    for name, dim_name in (("ffn_granularity", "d_ff"), ("vocab_granularity", "vocab_size")):
+      try:
+        units_of(getattr(self, dim_name), getattr(self, name))
+      except ValueError:
+        raise ConfigError(f"model.{name}: {getattr(self, name)} does not divide "
+                          f"model.{dim_name} {getattr(self, dim_name)}") from None
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ConfigError(f"model.{name}: unknown dtype {getattr(self, name)!r}; "
@@ -106,7 +111,9 @@ def model_layouts(cfg: GPTConfig, tp: int, failed: Sequence[int] = (),
   """Layouts of attention, MLP and vocabulary over the live slots of one TP group.
 
   Raises:
-    ValueError: invalid failed slots or weights (see ``ntp_jax.layout``).
+    ValueError: naming the ``ntp_jax.layout`` argument: ``tp`` < 1, invalid
+      ``failed`` slots or ``weights`` (``ntp_jax.plan.make_plan`` checks the
+      config's before calling this, and names the field).
   """
   kw = dict(failed=failed, weights=weights)
   return ModelLayouts(

@@ -18,8 +18,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ntp_jax.errors import ConfigError
-
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -135,22 +133,23 @@ def live_slots(tp: int, failed: Sequence[int] = ()) -> tuple[int, ...]:
   """Live slots of a TP group of ``tp`` slots with ``failed`` slots removed.
 
   Raises:
-    ValueError: ``tp`` < 1, a failed slot outside ``[0, tp)``, a repeated
-      failed slot, or every slot failed.
+    ValueError: naming the argument: ``tp`` < 1, more ``failed`` slots than
+      ``tp``, a failed slot outside ``[0, tp)``, a repeated failed slot, or
+      every slot failed.
   """
   if tp < 1:
-    raise ConfigError(f"mesh.tp: must be >= 1, got {tp}")
+    raise ValueError(f"live_slots: tp must be >= 1, got {tp}")
   failed = list(failed)
   if len(failed) > tp:
-    raise ConfigError(f"ntp.failed: {len(failed)} failed slots but the TP group has only {tp}")
+    raise ValueError(f"live_slots: {len(failed)} failed slots but tp is {tp}")
   for slot in failed:
     if not 0 <= slot < tp:
-      raise ConfigError(f"ntp.failed: slot {slot} is outside the TP group [0, {tp})")
+      raise ValueError(f"live_slots: failed slot {slot} is outside [0, {tp})")
   if len(set(failed)) != len(failed):
-    raise ConfigError(f"ntp.failed: repeated slot in {sorted(failed)}")
+    raise ValueError(f"live_slots: repeated slot in failed {sorted(failed)}")
   live = tuple(s for s in range(tp) if s not in set(failed))
   if not live:
-    raise ConfigError(f"ntp.failed: all {tp} slots failed; no TP group is left")
+    raise ValueError(f"live_slots: failed lists all {tp} slots; none is live")
   return live
 
 
@@ -162,19 +161,20 @@ def apportion(num_units: int, weights: Sequence[float]) -> tuple[int, ...]:
   sums to ``num_units`` exactly.
 
   Raises:
-    ValueError: no weights, a negative or non-finite weight, or all weights zero.
+    ValueError: naming the argument: no ``weights``, a negative or non-finite
+      weight, all weights zero, or ``num_units`` < 0.
   """
   weights = np.asarray(weights, dtype=np.float64)
   if weights.size == 0:
-    raise ConfigError("ntp.slot_weights: no live slot to apportion over")
+    raise ValueError("apportion: weights is empty; nothing to apportion over")
   if not np.all(np.isfinite(weights)):
-    raise ConfigError(f"ntp.slot_weights: weights must be finite, got {weights.tolist()}")
+    raise ValueError(f"apportion: weights must be finite, got {weights.tolist()}")
   if np.any(weights < 0):
-    raise ConfigError(f"ntp.slot_weights: weights must be >= 0, got {weights.tolist()}")
+    raise ValueError(f"apportion: weights must be >= 0, got {weights.tolist()}")
   if weights.sum() <= 0:
-    raise ConfigError("ntp.slot_weights: at least one live slot needs a positive weight")
+    raise ValueError(f"apportion: weights need a positive entry, got {weights.tolist()}")
   if num_units < 0:
-    raise ValueError(f"layout: number of units must be >= 0, got {num_units}")
+    raise ValueError(f"apportion: num_units must be >= 0, got {num_units}")
   quotas = num_units * weights / weights.sum()
   units = np.floor(quotas).astype(np.int64)
   left = num_units - int(units.sum())
@@ -208,7 +208,8 @@ def make_layout(
       of giving some slots one more.
 
   Raises:
-    ValueError: see ``live_slots`` and ``apportion``; weights of the wrong length.
+    ValueError: naming the argument (see ``live_slots`` and ``apportion``);
+      ``weights`` not of length ``tp``.
   """
   live = live_slots(tp, failed)
   per_slot, left = divmod(num_units, len(live))
@@ -220,23 +221,24 @@ def make_layout(
   else:
     weights = list(weights)
     if len(weights) != tp:
-      raise ConfigError(
-          f"ntp.slot_weights: expected {tp} weights (one per slot), got {len(weights)}")
+      raise ValueError(
+          f"make_layout: weights has {len(weights)} entries, expected tp={tp} (one per slot)")
     live_weights = [weights[s] for s in live]
   return Layout(tp=tp, live_slots=live, units=apportion(num_units, live_weights),
                 unit_size=unit_size)
 
 
-def units_of(dim: int, granularity: int, field: str) -> int:
+def units_of(dim: int, granularity: int) -> int:
   """Number of shard units in ``dim`` elements of ``granularity`` each.
 
   Raises:
-    ValueError: naming ``field`` when ``granularity`` does not divide ``dim``.
+    ValueError: naming the argument: ``granularity`` < 1, or ``granularity``
+      does not divide ``dim``.
   """
   if granularity < 1:
-    raise ConfigError(f"{field}: granularity must be >= 1, got {granularity}")
+    raise ValueError(f"units_of: granularity must be >= 1, got {granularity}")
   if dim % granularity:
-    raise ConfigError(f"{field}: granularity {granularity} does not divide {dim}")
+    raise ValueError(f"units_of: granularity {granularity} does not divide dim {dim}")
   return dim // granularity
 
 

@@ -14,6 +14,7 @@ no replica is healthy, so a lone reduced replica keeps the full batch). Source: 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -161,7 +162,8 @@ def parse_weights(text: str, tp: int) -> tuple[float, ...] | None:
   """``ntp.slot_weights`` -> one relative speed per slot, or None (equal).
 
   Raises:
-    ConfigError: not numbers, or not ``mesh.tp`` of them.
+    ConfigError: naming ``ntp.slot_weights``: not numbers, not ``mesh.tp`` of
+      them, a negative or non-finite weight, or all zero.
   """
   text = str(text).strip()
   if not text:
@@ -173,6 +175,12 @@ def parse_weights(text: str, tp: int) -> tuple[float, ...] | None:
   if len(weights) != tp:
     raise ConfigError(f"ntp.slot_weights: {len(weights)} weights given, mesh.tp={tp} slots "
                       "need one each")
+  if not all(math.isfinite(w) for w in weights):
+    raise ConfigError(f"ntp.slot_weights: weights must be finite, got {text!r}")
+  if any(w < 0 for w in weights):
+    raise ConfigError(f"ntp.slot_weights: weights must be >= 0, got {text!r}")
+  if not any(w > 0 for w in weights):
+    raise ConfigError(f"ntp.slot_weights: at least one weight must be positive, got {text!r}")
   return weights
 
 
@@ -190,9 +198,14 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
     batch_size: ``train.batch_size``, sequences per step of the healthy job.
     rebalance: ``ntp.rebalance``: ``proportional`` (share ~ degree / tp) or ``equal``.
 
+  Every setting is checked here, so ``make_layouts`` (whose errors about its
+  own arguments are ``ValueError``s, see ``ntp_jax.layout``) only sees valid
+  slots and weights.
+
   Raises:
-    ConfigError: bad settings; every replica dropped; a batch that does not
-      split over the replicas.
+    ConfigError: one line naming the field: bad settings; every replica
+      dropped; a replica whose live slots all have weight 0; a batch that
+      does not split over the replicas.
   """
   if dp < 1:
     raise ConfigError(f"mesh.dp: must be >= 1, got {dp}")
@@ -218,6 +231,10 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
   if not live_by_replica:
     raise ConfigError(f"ntp.failed: every slot of every replica failed ({failed!r}); "
                       "no replica is left to train")
+  for r, slots in live_by_replica.items():
+    if weights is not None and not any(weights[s] > 0 for s in slots):
+      raise ConfigError(f"ntp.slot_weights: replica {r}'s live slots "
+                        f"{','.join(map(str, slots))} all have weight 0 ({slot_weights!r})")
 
   # Shares follow the degree relative to the fastest live replica: t/T beside a
   # healthy replica; a lone (or all-reduced) job keeps its full batch.

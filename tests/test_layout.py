@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from ntp_jax.errors import ConfigError
 from ntp_jax.layout import Layout, apportion, live_slots, make_layout, units_of
 
 
@@ -63,32 +64,46 @@ def test_gather_and_scatter_index_are_inverse():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(num_units=4, tp=2, failed=[0, 1]), "all 2 slots failed"),
-    (dict(num_units=4, tp=2, failed=[0, 1, 0]), "3 failed slots but the TP group has only 2"),
-    (dict(num_units=4, tp=2, failed=[2]), "slot 2 is outside"),
-    (dict(num_units=4, tp=3, failed=[1, 1]), "repeated slot"),
-    (dict(num_units=4, tp=2, weights=[1, -1]), "weights must be >= 0"),
-    (dict(num_units=4, tp=2, weights=[1, float("nan")]), "finite"),
-    (dict(num_units=4, tp=2, weights=[1, float("inf")]), "finite"),
-    (dict(num_units=4, tp=2, weights=[0, 0]), "positive weight"),
-    (dict(num_units=4, tp=2, weights=[1, 1, 1]), "expected 2 weights"),
-    (dict(num_units=4, tp=0), "mesh.tp"),
+    (dict(num_units=4, tp=2, failed=[0, 1]), r"^live_slots: failed lists all 2 slots"),
+    (dict(num_units=4, tp=2, failed=[0, 1, 0]), r"^live_slots: 3 failed slots but tp is 2"),
+    (dict(num_units=4, tp=2, failed=[2]), r"^live_slots: failed slot 2 is outside \[0, 2\)"),
+    (dict(num_units=4, tp=3, failed=[1, 1]), r"^live_slots: repeated slot in failed"),
+    (dict(num_units=4, tp=2, weights=[1, -1]), r"^apportion: weights must be >= 0"),
+    (dict(num_units=4, tp=2, weights=[1, float("nan")]), r"^apportion: weights must be finite"),
+    (dict(num_units=4, tp=2, weights=[1, float("inf")]), r"^apportion: weights must be finite"),
+    (dict(num_units=4, tp=2, weights=[0, 0]), r"^apportion: weights need a positive entry"),
+    (dict(num_units=4, tp=2, weights=[1, 1, 1]), r"^make_layout: weights has 3 entries, "
+                                                 r"expected tp=2"),
+    (dict(num_units=-1, tp=2), r"^apportion: num_units must be >= 0"),
+    (dict(num_units=4, tp=0), r"^live_slots: tp must be >= 1"),
 ])
-def test_invalid_requests_raise_value_error(kwargs, match):
-  with pytest.raises(ValueError, match=match):
+def test_invalid_requests_raise_value_error_naming_the_argument(kwargs, match):
+  """Layouts know no config: the error names the argument (plan.py names the field)."""
+  with pytest.raises(ValueError, match=match) as info:
     make_layout(**kwargs)
+  assert not isinstance(info.value, ConfigError)
 
 
 def test_granularity_must_divide():
-  assert units_of(14336, 2048, "model.ffn_granularity") == 7
-  with pytest.raises(ValueError, match="model.ffn_granularity: granularity 3 does not divide 10"):
-    units_of(10, 3, "model.ffn_granularity")
+  assert units_of(14336, 2048) == 7
+  with pytest.raises(ValueError, match=r"^units_of: granularity 3 does not divide dim 10$"):
+    units_of(10, 3)
+  with pytest.raises(ValueError, match=r"^units_of: granularity must be >= 1, got 0$"):
+    units_of(10, 0)
 
 
-def test_heads_not_divisible_by_kv_heads():
+@pytest.mark.parametrize("fields,match", [
+    (dict(n_heads=6, n_kv_heads=4), "model.n_heads: 6 is not a multiple of model.n_kv_heads 4"),
+    (dict(ffn_granularity=3), "model.ffn_granularity: 3 does not divide model.d_ff 4"),
+    (dict(vocab_granularity=3), "model.vocab_granularity: 3 does not divide model.vocab_size 8"),
+    (dict(vocab_granularity=0), "model.vocab_granularity: must be >= 1, got 0"),
+])
+def test_model_config_errors_name_the_field(fields, match):
   from models.gpt import GPTConfig
-  with pytest.raises(ValueError, match="model.n_heads: 6 is not a multiple of model.n_kv_heads 4"):
-    GPTConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=6, n_kv_heads=4, head_dim=2, d_ff=4)
+  shape = dict(vocab_size=8, d_model=8, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=2, d_ff=4)
+  with pytest.raises(ConfigError, match=f"^{match}$") as info:
+    GPTConfig(**{**shape, **fields})
+  assert "\n" not in str(info.value)
 
 
 def test_layout_rejects_inconsistent_fields():

@@ -81,6 +81,11 @@ def test_equal_rebalance_and_proportional_rounding():
     (dict(slot_weights="1,2"), "ntp.slot_weights: 2 weights given, mesh.tp=4"),
     (dict(slot_weights="1,x,1,1"), "ntp.slot_weights: '1,x,1,1' is not"),
     (dict(slot_weights="1,-1,1,1"), "ntp.slot_weights: weights must be >= 0"),
+    (dict(slot_weights="1,nan,1,1"), "ntp.slot_weights: weights must be finite"),
+    (dict(slot_weights="0,0,0,0"), "ntp.slot_weights: at least one weight must be positive"),
+    (dict(slot_weights="1,0,0,0", failed="0"),
+     "ntp.slot_weights: replica 0's live slots 1,2,3 all have weight 0"),
+    (dict(tp=0), "mesh.tp: must be >= 1"),
     (dict(rebalance="fair"), "ntp.rebalance: 'fair' is not one of"),
     (dict(batch_size=3, dp=2), "train.batch_size: 3 sequences do not split evenly"),
 ])
