@@ -14,6 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.factory = "models.gpt:model_spec"  # "module:function" (config -> ntp_jax.model_spec.ModelSpec)
+  c.model.init_from = ""  # "" = random init; "hf:/path/to/folder" = local Hugging Face Llama folder
   c.model.vocab_size = 4096  # vocabulary (BPE trained to this size on text corpora)
   c.model.d_model = 256  # residual width
   c.model.n_layers = 4  # decoder blocks

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 
 import jax
@@ -25,6 +26,8 @@ from ntp_jax.layout import Layout, make_layout, units_of
 from ntp_jax.model_spec import ModelSpec
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+TRAINER_KEYS = ("factory", "init_from")  # ``model.*`` keys the trainer reads, not GPTConfig
+HF_PREFIX = "hf:"  # ``model.init_from`` of a local Hugging Face Llama folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +77,22 @@ class GPTConfig:
                         f"{', '.join(REMAT_POLICIES)}")
 
   @classmethod
-  def from_config(cls, model_cfg) -> GPTConfig:
-    """From the ``model`` section of an ml_collections config (unknown keys rejected;
-    ``factory`` is the trainer's, not the model's)."""
+  def from_config(cls, model_cfg, **replace) -> GPTConfig:
+    """From the ``model`` section of an ml_collections config (or a dict).
+
+    Unknown keys are rejected; ``factory`` and ``init_from`` are the
+    trainer's, not the model's. ``replace`` fields take the place of the
+    section's before validation (e.g. the shape of a Hugging Face folder).
+
+    Raises:
+      ConfigError: an unknown field or a bad value, naming ``model.<field>``.
+    """
     fields = {f.name for f in dataclasses.fields(cls)}
-    given = {k: v for k, v in dict(model_cfg).items() if k != "factory"}
-    extra = set(given) - fields
+    given = {k: v for k, v in dict(model_cfg).items() if k not in TRAINER_KEYS}
+    extra = (set(given) | set(replace)) - fields
     if extra:
       raise ConfigError(f"model: unknown field(s) {sorted(extra)}")
-    return cls(**given)
+    return cls(**{**given, **replace})
 
   @property
   def compute_dtype(self):
@@ -196,10 +206,63 @@ def gpt_spec(cfg: GPTConfig, seed: int) -> ModelSpec:
       name="gpt")
 
 
+def hf_folder(model_cfg) -> str | None:
+  """The folder of ``model.init_from = "hf:FOLDER"``; None for ``""`` (random init).
+
+  Raises:
+    ConfigError: naming ``model.init_from``: another scheme, or no such folder.
+  """
+  init_from = model_cfg.get("init_from", "") or ""
+  if not init_from:
+    return None
+  if not init_from.startswith(HF_PREFIX):
+    raise ConfigError(f"model.init_from: {init_from!r} is not '' (random init) or "
+                      f"'{HF_PREFIX}/path/to/folder' (a Hugging Face Llama folder)")
+  folder = init_from[len(HF_PREFIX):]
+  if not os.path.isdir(folder):
+    raise ConfigError(f"model.init_from: {init_from!r}: no folder {folder!r}")
+  return folder
+
+
+def gpt_config(model_cfg) -> GPTConfig:
+  """The ``GPTConfig`` of a ``model`` section, ``model.init_from`` applied.
+
+  With ``"hf:FOLDER"`` the folder's ``config.json`` gives the shape
+  (``models.hf_llama.read_hf_config``: vocabulary, widths, depth, heads,
+  ``rope_theta``, ``norm_eps``, ``tie_embeddings``) in place of the
+  section's; dtypes, ``remat``, ``scan_layers`` and the granularities stay
+  the section's.
+
+  Raises:
+    ConfigError: a bad ``model.*`` field or ``model.init_from``, named; an
+      unusable ``config.json``, naming the file and key.
+  """
+  folder = hf_folder(model_cfg)
+  if folder is None:
+    return GPTConfig.from_config(model_cfg)
+  from models.hf_llama import read_hf_config  # imports this module
+  return GPTConfig.from_config(model_cfg, **read_hf_config(folder))
+
+
 def model_spec(config) -> ModelSpec:
   """``model.factory`` of the GPT: the ``model`` section and ``train.seed`` of ``config``.
 
+  With ``model.init_from = "hf:FOLDER"`` (see ``gpt_config``) a fresh run
+  starts from the folder's weights (``initial_source``: an ``HFSource``,
+  whose tensor names and shapes are checked here from the headers), and the
+  text is encoded with the folder's ``tokenizer.json`` when it has one
+  (``tokenizer_file``; without one a BPE is trained as usual).
+
   Raises:
-    ConfigError: a bad ``model.*`` field, named.
+    ConfigError: a bad ``model.*`` field or ``model.init_from``, named; a
+      folder whose ``config.json`` or tensors do not fit (naming the file).
   """
-  return gpt_spec(GPTConfig.from_config(config.model), config.train.seed)
+  cfg = gpt_config(config.model)
+  spec = gpt_spec(cfg, config.train.seed)
+  folder = hf_folder(config.model)
+  if folder is None:
+    return spec
+  from models.hf_llama import HFSource, tokenizer_file  # imports this module
+  source = HFSource(folder, cfg)  # checks the tensors' names and shapes now, reads nothing
+  return dataclasses.replace(spec, initial_source=lambda: source,
+                             tokenizer_file=tokenizer_file(folder))

@@ -312,6 +312,15 @@ class HFSource:
   def paths(self) -> set[Path]:
     return {("params",) + p for p in self.names}
 
+  def describe(self) -> str:
+    """One line for logs: ``hf:FOLDER (config.json: 2 layers, d_model 32, ...)``."""
+    c = self.cfg
+    return (f"hf:{self.folder} ({CONFIG}: {c.n_layers} layers, d_model {c.d_model}, "
+            f"{c.n_heads} heads / {c.n_kv_heads} KV of {c.head_dim}, d_ff {c.d_ff}, "
+            f"vocabulary {c.vocab_size:,}, rope_theta {c.rope_theta:g}, "
+            f"{'tied' if c.tie_embeddings else 'untied'} embeddings; "
+            f"{len(set(self.files.values()))} safetensors file(s))")
+
   def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
     """Raises ValueError naming the first request whose path or shape the folder lacks."""
     for path, request in requests.items():

@@ -62,9 +62,11 @@ def export_checkpoint(directory: str, out: str, step: int | None = None) -> int:
   Raises:
     ConfigError: one line naming ``--checkpoint`` or ``--step`` (no folder,
       no complete checkpoint, no such step), or the checkpoint's config
-      field or parameter that does not fit the model.
+      field or parameter that does not fit the model (a run trained from
+      ``model.init_from="hf:FOLDER"`` reads that folder's ``config.json``
+      again for its shape).
   """
-  from models.gpt import GPTConfig  # application modules: imported where the command runs
+  from models.gpt import gpt_config  # application modules: imported where the command runs
   from models.hf_llama import export_hf
 
   if not os.path.isdir(directory):
@@ -83,7 +85,11 @@ def export_checkpoint(directory: str, out: str, step: int | None = None) -> int:
     if "model" not in config:
       raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its metadata holds no "
                             "model config")
-    cfg = GPTConfig.from_config(config["model"])
+    try:  # a run from model.init_from="hf:FOLDER" takes its shape from that folder again
+      cfg = gpt_config(config["model"])
+    except ConfigError as err:
+      raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its config: "
+                            f"{err}") from None
     params = read_params_on_host(checkpoints, step)
   finally:
     checkpoints.close()

@@ -19,6 +19,7 @@ import numpy as np
 
 from ntp_jax.goodput import GoodputClock
 from ntp_jax.metrics import progress_line
+from ntp_jax.placement import LogicalSource
 from ntp_jax.sources import InitSource
 from ntp_jax.plan import Plan
 from ntp_jax.recovery import DeviceFailure, Event, PeerSource, failed_text, poison
@@ -40,12 +41,17 @@ class TrainingRun:
     dataset: the training data (``sequences(cursor, count)``).
     checkpoints: a ``checkpoint.Checkpoints`` or None (off).
     writer: ``metrics.MetricsWriter``. log: one-line logger.
+    initial_source: ``ModelSpec.initial_source``: the parameters a fresh
+      start, or a restart with no checkpoint, begins from; None: the
+      model's own initialisation (``InitSource``).
   """
 
   def __init__(self, config, *, make_plan: Callable[[str], Plan], make_model, optimizer, devices,
                dataset, checkpoints, writer, log, failed: set[tuple[int, int]],
-               loss=default_loss, eval_rows: np.ndarray | None = None, on_record=None):
+               loss=default_loss, eval_rows: np.ndarray | None = None, on_record=None,
+               initial_source: Callable[[], LogicalSource] | None = None):
     self.config = config
+    self.initial_source = initial_source
     self.loss = loss
     self.eval_rows = eval_rows
     self.on_record = on_record
@@ -90,11 +96,21 @@ class TrainingRun:
       if self.step:  # at start-up every program is new: say nothing
         self.log(f"  {what}: {'cache hit, nothing to compile' if hit else 'compiled anew'}")
 
+  def fresh_source(self, plan: Plan) -> LogicalSource:
+    """The state a run without a checkpoint starts from: ``initial_source`` (logged) or init."""
+    if self.initial_source is None:
+      return InitSource(lambda: self.make_model(plan.logical_layouts))
+    source = self.initial_source()
+    describe = getattr(source, "describe", None)  # optional: not part of LogicalSource
+    self.log(f"parameters: from {describe() if describe else type(source).__name__}")
+    return source
+
   def start(self, plan: Plan, source, step: int, cursor: int) -> None:
+    """Programs of ``plan`` from ``source`` (a checkpoint), or fresh when it is None."""
     self.step, self.cursor, self.furthest = step, cursor, step
     self.saved_step = step if source is not None else None
     if source is None:  # fresh parameters: part of start-up (idle time)
-      self.build(plan, InitSource(lambda: self.make_model(plan.logical_layouts)))
+      self.build(plan, self.fresh_source(plan))
       return
     with self.clock.timed("checkpoint_restore"):
       self.build(plan, source)
@@ -162,7 +178,7 @@ class TrainingRun:
       meta = self.checkpoints.meta(latest)
       self.step, self.cursor = latest, int(meta["data_cursor"])
       source = self.checkpoints.source(latest)
-    self.build(plan, source or InitSource(lambda: self.make_model(plan.logical_layouts)))
+    self.build(plan, source or self.fresh_source(plan))
     self.saved_step = latest
     self.clock.add("checkpoint_restore", time.perf_counter() - start)
     self.writer.event("recovered", step=self.step, path="restart",

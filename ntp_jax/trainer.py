@@ -147,7 +147,10 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   """Train the model of ``config`` and return a summary.
 
   The model is ``model``, or the ``ModelSpec`` that ``model.factory`` names
-  (default the GPT of ``models.gpt``); see ``ntp_jax.model_spec``.
+  (default the GPT of ``models.gpt``); see ``ntp_jax.model_spec``. A run
+  with no checkpoint to resume starts from ``model.initial_source`` when
+  set (``model.init_from="hf:FOLDER"``: a Hugging Face folder's weights),
+  and the text is encoded with ``model.tokenizer_file`` when set.
 
   Appends to ``<workdir>/metrics.jsonl`` (one JSON object per step: ``step``,
   ``loss``, ``tokens``, ``step_time_s``, ``tp_degree`` (the smallest live TP
@@ -188,7 +191,8 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   dataset = make_dataset(config.data.path or None, model.vocab_size, config.train.seq_len,
                          config.workdir, config.train.seed,
                          max_corpus_bytes=config.data.max_corpus_bytes,
-                         val_fraction=config.data.get("val_fraction", 0.0))
+                         val_fraction=config.data.get("val_fraction", 0.0),
+                         tokenizer_path=model.tokenizer_file)
   dataset.check_batch_size(plan.global_batch)
 
   checkpoints = None
@@ -347,7 +351,8 @@ def _run(config, model, optimizer, plan, devices, checkpoints, start_step, curso
                     make_model=model.make, loss=model.loss,
                     optimizer=optimizer, devices=devices, dataset=dataset,
                     checkpoints=checkpoints, writer=writer, log=log, failed=failed,
-                    eval_rows=eval_rows, on_record=board.write if board else None)
+                    eval_rows=eval_rows, on_record=board.write if board else None,
+                    initial_source=model.initial_source)
   try:
     run.start(plan, source, start_step, cursor)
     # Shapes only: slicing one replica's copy out of the stacked arrays would copy them.

@@ -40,18 +40,24 @@ class _Damaged(Exception):
   """An entry exists but fails its checks; the message says why."""
 
 
-def file_fingerprint(paths: tuple[str, ...]) -> list[tuple[str, int, int]]:
+def file_fingerprint(paths: tuple[str, ...],
+                     argument: str = "path") -> list[tuple[str, int, int]]:
   """(path, size in bytes, mtime in ns) of each file, to key the cache.
 
+  Args:
+    paths: the files.
+    argument: the `make_dataset` argument they come from, for errors.
+
   Raises:
-    DataError: a file vanished or cannot be examined (naming data.path).
+    DataError: a file vanished or cannot be examined (naming the config
+      field of `argument`, data.path by default).
   """
   fingerprint = []
   for path in paths:
     try:
       stat = os.stat(path)
     except OSError as e:
-      raise field_error("path", f"cannot read {path!r}: {e.strerror}")
+      raise field_error(argument, f"cannot read {path!r}: {e.strerror}") from None
     fingerprint.append((path, stat.st_size, stat.st_mtime_ns))
   return fingerprint
 

@@ -1,13 +1,15 @@
 """`make_dataset`: from the `data.*` settings to a ready `PackedDataset`.
 
-Text is tokenized once per (input files, vocabulary size, byte budget) and
-cached in the workdir: the tokenizer JSON and the token stream (`.npy`). A
+Text is tokenized once per (input files, vocabulary size, byte budget, and
+the given tokenizer file if any) and cached in the workdir: the tokenizer
+JSON (trained, or a copy of the given one) and the token stream (`.npy`). A
 second call with the same inputs loads both from there instead of training,
 after checking their sizes and checksums; a damaged entry is rebuilt (see
 `cache`).
 """
 
 import os
+import shutil
 
 import numpy as np
 
@@ -26,7 +28,8 @@ TOKENS_FILE = "tokens.npy"
 def make_dataset(path: str | None, vocab_size: int, seq_len: int,
                  cache_dir: str, seed: int,
                  max_corpus_bytes: int | None = 8_000_000,
-                 val_fraction: float = 0.0) -> PackedDataset:
+                 val_fraction: float = 0.0,
+                 tokenizer_path: str | None = None) -> PackedDataset:
   """Builds (or loads from cache) the packed training data.
 
   Args:
@@ -34,8 +37,8 @@ def make_dataset(path: str | None, vocab_size: int, seq_len: int,
       text file, folder (recursive, binary files skipped), glob pattern, or
       one `.bin` file of little-endian uint16 tokens.
     vocab_size: the model vocabulary; the BPE tokenizer gets at most this
-      many tokens (at least 257 for text), and `.bin` tokens must be below
-      it.
+      many tokens (at least 257 for text), a given tokenizer must have no
+      more, and `.bin` tokens must be below it.
     seq_len: tokens per training input; each example holds seq_len + 1.
     cache_dir: the workdir; the cache lives in `<cache_dir>/data/`.
     seed: non-negative seed of the sequence order.
@@ -44,6 +47,11 @@ def make_dataset(path: str | None, vocab_size: int, seq_len: int,
     val_fraction: share of sequences, taken from the end of the stream
       before shuffling, held out as `dataset.validation` (at least one
       sequence when positive).
+    tokenizer_path: a `tokenizers` JSON file (a model's `tokenizer.json`)
+      to encode the text with instead of training a BPE; documents are
+      separated by its first token of `tokenizer.END_OF_TEXT_TOKENS`. The
+      cache entry is keyed by the file's fingerprint and holds a copy of it
+      (`tokenizer_path` of the result). Ignored for `.bin` token files.
 
   Returns:
     The training split, a `PackedDataset`; its `validation` attribute holds
@@ -52,13 +60,19 @@ def make_dataset(path: str | None, vocab_size: int, seq_len: int,
   Raises:
     DataError: a bad setting or input, as one line naming the config field:
       missing path, no match, unreadable, binary or empty corpus, too few
-      tokens for one sequence, token id >= vocab_size, and so on.
+      tokens for one sequence, token id >= vocab_size, and so on; a given
+      tokenizer that is unreadable, has no end-of-text token or more tokens
+      than vocab_size (see `tokenizer.load_given_tokenizer`).
   """
   _check_settings(vocab_size, seq_len, cache_dir, seed, max_corpus_bytes,
                   val_fraction)
   source = corpus.resolve_source(path)
   if isinstance(source, corpus.TokenFileSource):
     tokens, tokenizer, info = _load_token_file(source, vocab_size, cache_dir)
+  elif tokenizer_path is not None:
+    given = tokenizer_lib.load_given_tokenizer(tokenizer_path, vocab_size)
+    tokens, tokenizer, info = _load_or_tokenize_text(
+        source, vocab_size, cache_dir, max_corpus_bytes, (tokenizer_path, given))
   else:
     tokenizer_lib.check_vocab_size(vocab_size)
     tokens, tokenizer, info = _load_or_tokenize_text(
@@ -83,16 +97,24 @@ def make_dataset(path: str | None, vocab_size: int, seq_len: int,
   return train
 
 
-def _load_or_tokenize_text(source, vocab_size, cache_dir, max_corpus_bytes):
-  entry = cache.entry_dir(
-      cache_dir, source.kind, files=cache.file_fingerprint(source.files),
-      vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes)
+def _load_or_tokenize_text(source, vocab_size, cache_dir, max_corpus_bytes,
+                           given=None):
+  """Tokens, tokenizer and `CorpusInfo` of a text source, through the cache.
+
+  `given` is None (train a BPE) or (tokenizer file, its loaded tokenizer).
+  """
+  key = dict(files=cache.file_fingerprint(source.files), vocab_size=vocab_size,
+             max_corpus_bytes=max_corpus_bytes)
+  if given is not None:  # absent otherwise: trained entries keep their keys
+    key["tokenizer"] = cache.file_fingerprint((given[0],), "tokenizer_path")
+  entry = cache.entry_dir(cache_dir, source.kind, **key)
   (tokenizer, tokens, stats), from_cache = cache.load_or_build(
       entry, lambda folder: _tokenize_text_into(
-          folder, source, vocab_size, max_corpus_bytes),
+          folder, source, vocab_size, max_corpus_bytes, given),
       lambda folder, meta: _read_text_entry(folder, meta, vocab_size))
   info = CorpusInfo(source=source.description, num_tokens=int(tokens.size),
                     tokenizer_path=os.path.join(entry, TOKENIZER_FILE),
+                    tokenizer_origin=given[0] if given is not None else None,
                     from_cache=from_cache, **stats)
   return tokens, tokenizer, info
 
@@ -118,8 +140,10 @@ def _read_text_entry(folder, meta, vocab_size):
   return tokenizer, tokens, stats
 
 
-def _tokenize_text_into(folder, source, vocab_size, max_corpus_bytes):
-  """Reads, trains the tokenizer, encodes; writes both into `folder`."""
+def _tokenize_text_into(folder, source, vocab_size, max_corpus_bytes,
+                        given=None):
+  """Reads, trains a tokenizer (or copies `given`'s file), encodes; writes both
+  into `folder`."""
   documents = corpus.read_documents(source.files, max_corpus_bytes)
   if not documents.texts:
     if documents.num_binary_skipped == documents.num_files_read:
@@ -128,13 +152,18 @@ def _tokenize_text_into(folder, source, vocab_size, max_corpus_bytes):
     else:
       why = "0 bytes of text"
     raise field_error("path", f"{source.description} is empty: {why}")
-  tokenizer = tokenizer_lib.train_bpe_tokenizer(documents.texts, vocab_size)
-  if tokenizer.get_vocab_size() > vocab_size:
-    # The trainer counts bytes and the separator within vocab_size; a larger
-    # result would give ids the model's embedding cannot look up.
-    raise RuntimeError(f"BPE trainer returned {tokenizer.get_vocab_size()} "
-                       f"tokens for vocab_size {vocab_size}")
-  tokenizer.save(os.path.join(folder, TOKENIZER_FILE))
+  if given is not None:
+    # A byte copy: the entry reads back exactly the file that was given.
+    shutil.copyfile(given[0], os.path.join(folder, TOKENIZER_FILE))
+    tokenizer = given[1]
+  else:
+    tokenizer = tokenizer_lib.train_bpe_tokenizer(documents.texts, vocab_size)
+    if tokenizer.get_vocab_size() > vocab_size:
+      # The trainer counts bytes and the separator within vocab_size; a larger
+      # result would give ids the model's embedding cannot look up.
+      raise RuntimeError(f"BPE trainer returned {tokenizer.get_vocab_size()} "
+                         f"tokens for vocab_size {vocab_size}")
+    tokenizer.save(os.path.join(folder, TOKENIZER_FILE))
   tokens = packing.encode_documents(
       tokenizer, documents.texts, tokenizer_lib.end_of_text_id(tokenizer),
       packing.token_dtype(vocab_size))

@@ -17,6 +17,8 @@ FIELD_NAMES = {
     "val_fraction": "data.val_fraction",
     "cache_dir": "workdir",
     "batch_size": "train.batch_size",
+    # The model's own tokenizer.json: set by model.init_from (a Hugging Face folder).
+    "tokenizer_path": "model.init_from",
 }
 
 

@@ -32,6 +32,8 @@ class CorpusInfo:
     num_tokens: tokens in the whole stream, separators included.
     tokenizer_path: the cached tokenizer JSON, or None for token files.
     from_cache: True when the tokenized corpus came from the workdir cache.
+    tokenizer_origin: the tokenizer file given to `make_dataset` (the
+      cached JSON is a copy of it), or None when a BPE was trained.
   """
   source: str
   num_files: int
@@ -41,6 +43,7 @@ class CorpusInfo:
   from_cache: bool
   num_text_bytes: int | None = None
   truncated: bool = False
+  tokenizer_origin: str | None = None
 
 
 class PackedDataset:
@@ -223,8 +226,9 @@ class PackedDataset:
     if info.tokenizer_path is None:
       tokenizer = f"  pre-tokenized, vocabulary {self.vocab_size:,}"
     else:
+      copy = f", copy of {info.tokenizer_origin}" if info.tokenizer_origin else ""
       tokenizer = (f"  tokenizer: {info.tokenizer_path} "
-                   f"({self.tokenizer.get_vocab_size():,} tokens)")
+                   f"({self.tokenizer.get_vocab_size():,} tokens{copy})")
     tokenizer += ", reused from cache" if info.from_cache else ", built"
     return "\n".join([origin, split, tokenizer])
 

@@ -1,10 +1,14 @@
-"""Byte-level BPE tokenizer trained offline on the corpus.
+"""Byte-level BPE tokenizer trained offline on the corpus, or a given one.
 
 Byte-level means every byte has a token of its own before any merge, so any
 text encodes (nothing is "unknown") and decoding gives back the exact input.
 The `tokenizers` trainer is deterministic for a given input: the same corpus
-and vocabulary size give the same merges, in any process.
+and vocabulary size give the same merges, in any process. A model's own
+`tokenizer.json` (Hugging Face `tokenizers` format) is used as it is
+(`load_given_tokenizer`).
 """
+
+import os
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -12,6 +16,10 @@ from ntp_jax.data.errors import field_error
 
 # Separator appended after each document in the packed token stream.
 END_OF_TEXT = "<|endoftext|>"
+
+# Separators looked for, in this order, in a tokenizer: ours first (GPT-2's
+# too), then Llama 3's, Llama 2's / SentencePiece's, Gemma's.
+END_OF_TEXT_TOKENS = (END_OF_TEXT, "<|end_of_text|>", "</s>", "<eos>")
 
 # 256 byte tokens plus the separator: the smallest byte-level vocabulary.
 MIN_VOCAB_SIZE = 256 + 1
@@ -70,12 +78,53 @@ def load_tokenizer(path: str) -> Tokenizer:
   return tokenizer
 
 
+def load_given_tokenizer(path: str, vocab_size: int) -> Tokenizer:
+  """Loads a model's own tokenizer JSON and checks it fits the model.
+
+  Args:
+    path: a `tokenizers` JSON file (a Hugging Face `tokenizer.json`).
+    vocab_size: the model vocabulary; every id of the tokenizer must be
+      below it.
+
+  Returns:
+    The tokenizer, special tokens in the text encoded as text (as
+    `load_tokenizer`).
+
+  Raises:
+    DataError: one line naming the file: it is missing or unreadable (naming
+      model.init_from), has none of `END_OF_TEXT_TOKENS` (model.init_from),
+      or has more tokens than `vocab_size` (model.vocab_size).
+  """
+  if not os.path.isfile(path):
+    raise field_error("tokenizer_path", f"no tokenizer file {path}")
+  try:
+    tokenizer = load_tokenizer(path)
+  except Exception as e:  # pylint: disable=broad-except  (tokenizers raises bare Exception)
+    raise field_error("tokenizer_path", f"cannot read {path} as a tokenizers JSON file "
+                      f"({type(e).__name__}: {e})") from None
+  vocab = tokenizer.get_vocab(with_added_tokens=True)
+  size = max(tokenizer.get_vocab_size(with_added_tokens=True),
+             max(vocab.values(), default=-1) + 1)
+  if size > vocab_size:
+    raise field_error("vocab_size", f"{vocab_size:,} is fewer than the {size:,} token ids of "
+                      f"{path}; the model's vocabulary must hold every id of its tokenizer")
+  if not any(token in vocab for token in END_OF_TEXT_TOKENS):
+    raise field_error("tokenizer_path", f"{path} has none of the end-of-text tokens "
+                      f"{', '.join(END_OF_TEXT_TOKENS)} to separate documents with")
+  return tokenizer
+
+
 def end_of_text_id(tokenizer: Tokenizer) -> int:
-  """The token id of the document separator `END_OF_TEXT`."""
-  token_id = tokenizer.token_to_id(END_OF_TEXT)
-  if token_id is None:
-    raise ValueError(f"tokenizer has no {END_OF_TEXT} token")
-  return token_id
+  """The token id of the document separator: the first of `END_OF_TEXT_TOKENS` present.
+
+  Raises:
+    ValueError: the tokenizer has none of them.
+  """
+  for token in END_OF_TEXT_TOKENS:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is not None:
+      return token_id
+  raise ValueError(f"tokenizer has none of {', '.join(END_OF_TEXT_TOKENS)}")
 
 
 def _treat_separator_in_text_as_text(tokenizer: Tokenizer) -> None:
