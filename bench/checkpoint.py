@@ -39,9 +39,9 @@ simulate_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from common import emit, load_config, progress  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from common import emit, load_config, progress  # noqa: E402
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.checkpoint import Checkpoints  # noqa: E402
 from ntp_jax.optim import make_optimizer  # noqa: E402
@@ -137,7 +137,8 @@ layout = tree["params"]["w"].tp_layout
 for shard in w.addressable_shards:  # every slot holds its own rows
   j = shard.index[1].start
   got = np.asarray(shard.data)[0, 0, :layout.sizes[j], 0]
-  assert np.array_equal(got, np.arange(layout.offsets[j], layout.offsets[j] + layout.sizes[j]) * cols)
+  mine = np.arange(layout.offsets[j], layout.offsets[j] + layout.sizes[j])
+  assert np.array_equal(got, mine * cols)
 print(rows * cols * 4, before, read_peak, peak, elapsed, max(per_device))
 """
 

@@ -86,15 +86,15 @@ def depth_table(base, config, depths, unrolled):
 def remat_table(base, config, n_layers):
   optimizer = make_optimizer(config.train)
   args = (optimizer, config.train.clip_norm, config.train.seq_len, jax.devices())
-  lines = [f"| model.remat | temp MiB / device | peak MiB / device | temp / none | "
-           f"GFLOP / device / step | flops / none |", "|---|---:|---:|---:|---:|---:|"]
+  lines = ["| model.remat | temp MiB / device | peak MiB / device | temp / none | "
+           "GFLOP / device / step | flops / none |", "|---|---:|---:|---:|---:|---:|"]
   first = None
   for remat in progress(REMAT_POLICIES, "remat policies"):
     cfg = dataclasses.replace(base, n_layers=n_layers, remat=remat)
     plan = plan_of(cfg, config)
     f = class_footprints(plan, make(cfg), *args)[0]
 
-    def flops_at(n, remat=remat):
+    def flops_at(n, cfg=cfg, plan=plan):
       small = dataclasses.replace(cfg, n_layers=n, scan_layers=False)
       return [x.flops for x in class_footprints(plan, make(small), *args)]
 

@@ -1,6 +1,7 @@
 """NTP against DP-DROP on one model and one set of devices, side by side in one process.
 
-  python bench/ntp_vs_dropping.py [--config configs/gpt_small.py] [--steps 5] [--out docs/bench_ntp.md]
+  python bench/ntp_vs_dropping.py [--config configs/gpt_small.py] [--steps 5]
+                                  [--out docs/bench_ntp.md]
 
 Plans on a 2 x 4 mesh (8 simulated CPU devices unless XLA_FLAGS says
 otherwise): healthy; NTP with one failed slot (replica 1 at TP degree 3);
@@ -29,9 +30,9 @@ simulate_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from common import emit, load_config  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from common import emit, load_config  # noqa: E402
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.cost import class_step_flops, own_shard_flops  # noqa: E402
 from ntp_jax.optim import make_optimizer  # noqa: E402
@@ -63,7 +64,7 @@ def measure(cfg, config, name, failed, steps, cache):
   seq = config.train.seq_len
   rng = np.random.default_rng(0)
   times = []
-  for step in range(steps + 1):
+  for _ in range(steps + 1):  # the first compiles
     batch = rng.integers(0, cfg.vocab_size, (plan.global_batch, seq + 1), dtype=np.int32)
     start = time.perf_counter()
     float(job(batch)["loss"])
@@ -107,8 +108,9 @@ def main():
       f"({jax.devices()[0].platform}, {len(jax.devices())} devices, mesh {DP} x {TP}, "
       f"{config.train.seq_len} tokens per sequence)",
       "",
-      "| plan | `ntp.failed` | live devices | sequences / step | tokens / step | tokens vs healthy "
-      "| TP degree per class | GFLOP / device / step (per class) | worst device: executed / own shard "
+      "| plan | `ntp.failed` | live devices | sequences / step | tokens / step "
+      "| tokens vs healthy | TP degree per class | GFLOP / device / step (per class) "
+      "| worst device: executed / own shard "
       "| busiest device vs healthy | tokens per busiest-device flop vs healthy "
       "| CPU step time (s) | CPU step time vs healthy |",
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -38,8 +38,8 @@ from common import Stages, simulate_cpu_devices  # noqa: E402
 simulate_cpu_devices(8)
 
 import jax  # noqa: E402
-
 from common import emit, load_config  # noqa: E402
+
 from models.gpt import GPTConfig, count_params  # noqa: E402
 from ntp_jax.metrics import read_metrics, read_records  # noqa: E402
 from ntp_jax.trainer import train  # noqa: E402

@@ -13,9 +13,18 @@ import dataclasses
 
 import numpy as np
 
-from ntp_jax.sim import (ClusterSpec, DegreeRule, FailureModel, PolicySettings, PowerCurve,
-                         availability_timeline, failed_gpus_for_fraction, loss_sweep,
-                         sample_failed_counts, spares_needed)
+from ntp_jax.sim import (
+  ClusterSpec,
+  DegreeRule,
+  FailureModel,
+  PolicySettings,
+  PowerCurve,
+  availability_timeline,
+  failed_gpus_for_fraction,
+  loss_sweep,
+  sample_failed_counts,
+  spares_needed,
+)
 
 PAPER = ClusterSpec(num_gpus=32_768, tp=32, pp=8)
 TP64 = ClusterSpec(num_gpus=32_768, tp=64, pp=1)

@@ -17,9 +17,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import emit, load_config  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from common import emit, load_config  # noqa: E402
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.plan import make_plan  # noqa: E402
 from ntp_jax.replica_class import abstract_params  # noqa: E402
@@ -51,7 +51,7 @@ def main():
       model = dataclasses.replace(cfg, ffn_granularity=64)
     plan = make_plan(functools.partial(model_layouts, model), tp=tp, dp=dp, failed=failed,
                      batch_size=dp)
-    states = [abstract_params(lambda c=c: GPT(model, c.layouts, rngs=nnx.Rngs(0)))
+    states = [abstract_params(lambda c=c, model=model: GPT(model, c.layouts, rngs=nnx.Rngs(0)))
               for c in plan.classes]
     traffic = sync_traffic(plan, states, itemsize)
     live = len(plan.replicas)

@@ -10,10 +10,10 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.workdir = "runs/default"  # metrics.jsonl, checkpoints, tokenizer and token cache go here
-  c.dry_run = False  # print the per-device memory and flops of the step (nothing allocated), then stop
+  c.dry_run = False  # print per-device memory and flops of the step (nothing allocated), stop
 
   c.model = ml_collections.ConfigDict()
-  c.model.factory = "models.gpt:model_spec"  # "module:function" (config -> ntp_jax.model_spec.ModelSpec)
+  c.model.factory = "models.gpt:model_spec"  # "module:function": config -> model_spec.ModelSpec
   c.model.init_from = ""  # "" = random init; "hf:/path/to/folder" = local Hugging Face Llama folder
   c.model.vocab_size = 4096  # vocabulary (BPE trained to this size on text corpora)
   c.model.d_model = 256  # residual width
@@ -27,10 +27,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.ffn_granularity = 1  # MLP columns per shard unit
   c.model.vocab_granularity = 1  # vocabulary rows per shard unit
   c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
-  c.model.param_dtype = "float32"  # parameter storage dtype (fp32 master weights; Adam moments follow)
+  c.model.param_dtype = "float32"  # parameter storage (fp32 master weights; Adam moments follow)
   c.model.tie_embeddings = False  # output head = embedding table transposed (no separate head)
   c.model.scan_layers = True  # decoder blocks under jax.lax.scan: compile time flat in depth
-  c.model.remat = "none"  # rematerialisation per block: none | full | dots_saveable | dots_with_no_batch_dims_saveable
+  # Rematerialisation per block: none | full | dots_saveable | dots_with_no_batch_dims_saveable
+  c.model.remat = "none"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.tp = 8  # slots per TP group (devices per scale-up domain)
@@ -59,17 +60,18 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.log_every = 10  # progress line every N steps
   c.train.eval_every = 50  # validation loss every N steps and at the end (0 = off)
   c.train.eval_sequences = 32  # held-out sequences in the validation loss (a fixed set)
-  c.train.tensorboard = False  # also write metrics as TensorBoard event files to WORKDIR/tensorboard
+  c.train.tensorboard = False  # also metrics as TensorBoard event files in WORKDIR/tensorboard
   c.train.plot = True  # WORKDIR/goodput.png (loss, tokens/s, events) at the end
 
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every = 50  # steps between checkpoints (also one at the end and on SIGTERM/SIGINT); 0 = off
+  # Steps between checkpoints (also one at the end and on SIGTERM/SIGINT); 0 = off.
+  c.checkpoint.every = 50
   c.checkpoint.keep = 2  # newest checkpoints kept
   c.checkpoint.dir = ""  # empty: WORKDIR/checkpoints
-  c.checkpoint.resume = True  # continue from the latest checkpoint in checkpoint.dir, onto this plan
+  c.checkpoint.resume = True  # continue from the latest checkpoint in checkpoint.dir, this plan
 
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # text file / folder / glob, or uint16 .bin tokens; empty: Python stdlib source
   c.data.max_corpus_bytes = 4_000_000  # bytes of text read (tokenizer training and packing)
-  c.data.val_fraction = 0.02  # share of packed sequences held out for validation (end of the stream)
+  c.data.val_fraction = 0.02  # share of sequences held out for validation (end of the stream)
   return c

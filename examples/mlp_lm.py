@@ -18,8 +18,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ntp_jax.layers import (ColumnParallelLinear, RMSNorm, SwiGLU, VocabParallelEmbed,
-                            vocab_parallel_cross_entropy)
+from ntp_jax.layers import (
+  ColumnParallelLinear,
+  RMSNorm,
+  SwiGLU,
+  VocabParallelEmbed,
+  vocab_parallel_cross_entropy,
+)
 from ntp_jax.layout import Layout, make_layout
 from ntp_jax.model_spec import ModelSpec
 

@@ -78,7 +78,8 @@ def from_blocks(blocks: jnp.ndarray, layout: Layout, axis: int) -> jnp.ndarray:
   axis = axis % logical_rank
   _check_axis(blocks.shape[1:], axis, layout.block, "from_blocks")
   moved = jnp.moveaxis(blocks, 0, axis)  # [..., degree, block, ...]
-  flat = moved.reshape(moved.shape[:axis] + (layout.degree * layout.block,) + moved.shape[axis + 2:])
+  flat = moved.reshape(moved.shape[:axis] + (layout.degree * layout.block,)
+                       + moved.shape[axis + 2:])
   return jnp.take(flat, layout.scatter_index(), axis=axis)
 
 

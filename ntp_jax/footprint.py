@@ -28,8 +28,13 @@ from jax.sharding import PartitionSpec as P
 from ntp_jax.mesh import DP, TP, class_mesh
 from ntp_jax.model_spec import default_loss
 from ntp_jax.plan import Plan, ReplicaClass
-from ntp_jax.replica_class import (ClassProgram, abstract_class_state, class_shardings,
-                                   make_fused_step, make_split_step)
+from ntp_jax.replica_class import (
+  ClassProgram,
+  abstract_class_state,
+  class_shardings,
+  make_fused_step,
+  make_split_step,
+)
 
 
 @dataclasses.dataclass(frozen=True)

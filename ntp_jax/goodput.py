@@ -77,7 +77,6 @@ def plot_run(records: list[dict[str, Any]], events: list[dict[str, Any]], path: 
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-
   from matplotlib.ticker import MaxNLocator
 
   # A step run again (after a restart) is drawn once, with its last record.

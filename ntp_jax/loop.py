@@ -19,12 +19,12 @@ import numpy as np
 
 from ntp_jax.goodput import GoodputClock
 from ntp_jax.metrics import progress_line
+from ntp_jax.model_spec import default_loss
 from ntp_jax.placement import LogicalSource
-from ntp_jax.sources import InitSource
 from ntp_jax.plan import Plan
 from ntp_jax.recovery import DeviceFailure, Event, PeerSource, failed_text, poison
-from ntp_jax.model_spec import default_loss
 from ntp_jax.replica_class import JobStep, ProgramCache, build_class_programs, logical_state
+from ntp_jax.sources import InitSource
 
 
 class TrainingRun:

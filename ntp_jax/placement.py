@@ -20,7 +20,7 @@ device move, nothing is gathered on one device or one host.
 
 Paths name leaves of ``{"params": ..., "opt_state": ...}``: dict keys,
 attribute names and sequence indices as strings, e.g.
-``("params", "blocks", "0", "attn", "wq", "kernel")`` or
+``("params", "blocks", "attn", "wq")`` or
 ``("opt_state", "0", "mu", "embed", "embedding")``. A leaf held in an
 ``nnx.Variable`` carries a leading replica axis in the class state; a bare
 array (optax step counts) is replicated over the class mesh.

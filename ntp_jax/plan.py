@@ -8,7 +8,8 @@ form a *replica class*, which runs one compiled program over its own
 sub-mesh. Batch shares keep every live device equally
 busy: ``proportional`` gives a replica at degree ``t`` about ``t/T`` of a
 healthy replica's sequences (``t / t_max`` of the fastest replica's share when
-no replica is healthy, so a lone reduced replica keeps the full batch). Source: Arfeen et al., arXiv:2504.06095, Sec. 4.
+no replica is healthy, so a lone reduced replica keeps the full batch).
+Source: Arfeen et al., arXiv:2504.06095, Sec. 4.
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ def parse_weights(text: str, tp: int) -> tuple[float, ...] | None:
   try:
     weights = tuple(float(w) for w in text.split(","))
   except ValueError:
-    raise ConfigError(f"ntp.slot_weights: {text!r} is not a comma-separated list of numbers") from None
+    raise ConfigError(f"ntp.slot_weights: {text!r} is not a comma-separated list of "
+                      "numbers") from None
   if len(weights) != tp:
     raise ConfigError(f"ntp.slot_weights: {len(weights)} weights given, mesh.tp={tp} slots "
                       "need one each")

@@ -23,17 +23,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from ntp_jax.collectives import transfer_schedule
-from ntp_jax.errors import ConfigError
-from ntp_jax.layout import owner_layout
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ntp_jax.collectives import transfer_schedule
+from ntp_jax.errors import ConfigError
+from ntp_jax.layout import owner_layout
 from ntp_jax.mesh import DP, TP
-from ntp_jax.placement import (Leaf, Path, block_shape, copy_of_replica, even_pieces,
-                               even_pieces_of, leaves_of)
+from ntp_jax.placement import (
+  Leaf,
+  Path,
+  block_shape,
+  copy_of_replica,
+  even_pieces,
+  even_pieces_of,
+  leaves_of,
+)
 
 KINDS = ("fail", "repair")
 

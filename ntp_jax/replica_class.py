@@ -28,10 +28,15 @@ from ntp_jax.mesh import DP, TP, class_mesh
 from ntp_jax.model_spec import default_loss
 from ntp_jax.optim import clip_by_logical_norm, logical_norm
 from ntp_jax.placement import LogicalSource, place_logical, read_logical
-from ntp_jax.sources import InitSource
 from ntp_jax.plan import Plan, ReplicaClass
-from ntp_jax.shard import (replica_specs, restack_local, spec_shardings, stack_replicas,
-                           unstack_local)
+from ntp_jax.shard import (
+  replica_specs,
+  restack_local,
+  spec_shardings,
+  stack_replicas,
+  unstack_local,
+)
+from ntp_jax.sources import InitSource
 from ntp_jax.sync import CrossClassSync, from_sync_blocks, to_sync_blocks
 
 
@@ -286,7 +291,7 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
   programs = []
   for replica_class in plan.classes:
     mesh = class_mesh(replica_class.replicas, replica_class.live_slots, plan.tp, devices)
-    graphdef, target = abstract_class_state(lambda: make_model(replica_class.layouts),
+    graphdef, target = abstract_class_state(lambda c=replica_class: make_model(c.layouts),
                                             len(replica_class.replicas), optimizer)
     state, filled = place_logical(target, mesh, source)
     opt_paths = {p for p in filled if p[0] == "opt_state"}
@@ -315,11 +320,11 @@ def attach_steps(plan: Plan, programs: list[ClassProgram],
            program.loss)
     what = f"class program (TP degree {c.degree}, replicas {list(c.replicas)})"
     if fused:
-      program.step = cache.get(key, what, lambda: make_fused_step(
-          program, optimizer, clip_norm, global_tokens))
+      program.step = cache.get(key, what, lambda p=program: make_fused_step(
+          p, optimizer, clip_norm, global_tokens))
     else:
-      program.grad, program.update = cache.get(key, what, lambda: make_split_step(
-          program, optimizer, clip_norm, global_tokens, t_min))
+      program.grad, program.update = cache.get(key, what, lambda p=program: make_split_step(
+          p, optimizer, clip_norm, global_tokens, t_min))
 
 
 def logical_state(programs: list[ClassProgram]) -> dict:

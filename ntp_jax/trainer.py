@@ -16,20 +16,28 @@ import jax
 import numpy as np
 
 from ntp_jax.checkpoint import Checkpoints
-from ntp_jax.goodput import plot_run
-from ntp_jax.loop import TrainingRun
 from ntp_jax.data import make_dataset
 from ntp_jax.errors import ConfigError
-from ntp_jax.footprint import (ClassFootprint, abstract_program, class_footprints, device_bytes, footprint_table,
-                               per_device_flops, resident_fraction, shortfall)
+from ntp_jax.footprint import (
+  ClassFootprint,
+  abstract_program,
+  class_footprints,
+  device_bytes,
+  footprint_table,
+  per_device_flops,
+  resident_fraction,
+  shortfall,
+)
+from ntp_jax.goodput import plot_run
+from ntp_jax.loop import TrainingRun
 from ntp_jax.metrics import MetricsWriter, TensorBoardWriter
 from ntp_jax.model_spec import ModelSpec, load_model_spec
 from ntp_jax.optim import make_optimizer
 from ntp_jax.plan import Plan, make_plan, parse_failed
 from ntp_jax.recovery import Event, check_events, failed_text, parse_events
 from ntp_jax.report import parameter_table
-from ntp_jax.signals import StopSignals
 from ntp_jax.shard import replica_view
+from ntp_jax.signals import StopSignals
 from ntp_jax.sync import sync_traffic
 
 

@@ -17,7 +17,7 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.describe())
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.describe())
 @pytest.mark.parametrize("axis", [0, 1, -1])
 def test_round_trip_and_padding(layout, axis):
   shape = [3, 4, 2]
@@ -35,7 +35,8 @@ def test_round_trip_and_padding(layout, axis):
   # Slot i's block holds exactly its logical run, then zeros.
   moved = np.moveaxis(np.asarray(blocks), block_axis, 1)  # [degree, block, ...]
   for i, (offset, size) in enumerate(zip(layout.offsets, layout.sizes)):
-    np.testing.assert_array_equal(moved[i, :size], np.moveaxis(np.asarray(x), axis, 0)[offset:offset + size])
+    along = np.moveaxis(np.asarray(x), axis, 0)
+    np.testing.assert_array_equal(moved[i, :size], along[offset:offset + size])
     assert np.all(moved[i, size:] == 0)
   assert pad_mask(layout).sum() == layout.size
 

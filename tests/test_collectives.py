@@ -5,13 +5,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-
 from layer_check import global_to_logical, mesh_for, split_to_global
-from ntp_jax.collectives import (all_gather_uneven, copy_shared_from_last, reduce_scatter_uneven,
-                                 reshard_uneven, transfer_schedule)
+from tp_cases import TP_GROUPS, group_id
+
+from ntp_jax.collectives import (
+  all_gather_uneven,
+  copy_shared_from_last,
+  reduce_scatter_uneven,
+  reshard_uneven,
+  transfer_schedule,
+)
 from ntp_jax.layout import make_layout, owner_layout
 from ntp_jax.sync import sync_layout
-from tp_cases import TP_GROUPS, group_id
 
 
 def _slot_encoded(layout, rows=3):
@@ -65,7 +70,8 @@ RESHARD_CASES = [
 def test_reshard_to_sync_layout_and_back(src, t_min):
   dst = sync_layout(src, t_min)
   x = _slot_encoded(src)
-  body = lambda b: reshard_uneven(b, src, dst, axis=-1)
+  def body(b):
+    return reshard_uneven(b, src, dst, axis=-1)
   fn = jax.jit(jax.shard_map(body, mesh=mesh_for(src), in_specs=P(None, "tp"),
                              out_specs=P(None, "tp")))
   moved = fn(split_to_global(x, src))

@@ -7,8 +7,8 @@ import jax
 import optax
 import pytest
 from flax import nnx
-
 from job_harness import SMALL
+
 from models.gpt import GPT, model_layouts
 from ntp_jax.cost import class_step_flops
 from ntp_jax.plan import make_plan

@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
+from test_train import tiny_config
 
 from examples.mlp_lm import model_spec
 from ntp_jax.errors import ConfigError
 from ntp_jax.model_spec import load_model_spec
 from ntp_jax.trainer import train
-from test_train import tiny_config
 
 
 def _config(tmp_path, **overrides):

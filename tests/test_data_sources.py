@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 import ntp_jax.data
-from ntp_jax.data import DataError, make_dataset
-from ntp_jax.data import corpus
+from ntp_jax.data import DataError, corpus, make_dataset
 
 
 def build(path, tmp_path, **overrides):

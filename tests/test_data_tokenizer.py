@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-from ntp_jax.data import END_OF_TEXT, DataError, make_dataset
-from ntp_jax.data import corpus
+from ntp_jax.data import END_OF_TEXT, DataError, corpus, make_dataset
 from ntp_jax.data import tokenizer as tokenizer_lib
 
 VOCAB_SIZE = 512

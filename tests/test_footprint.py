@@ -10,15 +10,18 @@ import time
 
 import jax
 import pytest
+from test_train import ROOT, tiny_config
 
 import configs.gpt_8b
-from models.gpt import GPTConfig, count_params
-from ntp_jax.footprint import (abstract_program, class_footprints, device_bytes,
-                               host_memory_available)
-from models.gpt import gpt_spec
-from ntp_jax.trainer import footprint, make_plan_from, train
+from models.gpt import GPTConfig, count_params, gpt_spec
+from ntp_jax.footprint import (
+  abstract_program,
+  class_footprints,
+  device_bytes,
+  host_memory_available,
+)
 from ntp_jax.optim import make_optimizer
-from test_train import ROOT, tiny_config
+from ntp_jax.trainer import footprint, make_plan_from, train
 
 GIB = 2 ** 30
 
@@ -40,8 +43,9 @@ def _gpt_8b_cli(*args):
 
 
 def _params_gib(stdout: str) -> float:
-  header = next(i for i, l in enumerate(stdout.splitlines()) if l.split()[:2] == ["class", "TP"])
-  row = stdout.splitlines()[header + 1].split()
+  lines = stdout.splitlines()
+  header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["class", "TP"])
+  row = lines[header + 1].split()
   return float(row[3])
 
 
@@ -56,7 +60,7 @@ def test_gpt_8b_on_a_cpu_host_prints_the_plan_and_stops_in_one_line(tmp_path):
   peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
   for rc, out, err, seconds in (healthy, degraded):
     assert rc == 2, err[-2000:]
-    lines = [l for l in err.splitlines() if l.strip()]
+    lines = [line for line in err.splitlines() if line.strip()]
     assert re.match(r"error: the plan needs [\d.]+ GiB of host memory for [78] CPU devices",
                     lines[-1]), err[-2000:]
     assert "Traceback" not in err

@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from test_train import tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.gpt import GPTConfig
@@ -25,7 +26,6 @@ from ntp_jax.export_hf import export_checkpoint
 from ntp_jax.metrics import read_records
 from ntp_jax.replica_class import logical_state
 from ntp_jax.trainer import train
-from test_train import tiny_config
 
 _FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 _spec = importlib.util.spec_from_file_location(

@@ -4,17 +4,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-
-import reference as ref
 from layer_check import check_layer, global_to_logical, mesh_for, split_to_global
-from ntp_jax.layers import (Attention, ColumnParallelLinear, RMSNorm, RowParallelLinear, SwiGLU,
-                            VocabParallelEmbed, apply_rope, rope_angles,
-                            vocab_parallel_cross_entropy)
+from tp_cases import TP_GROUPS, group_id
+
+from ntp_jax.layers import (
+  Attention,
+  ColumnParallelLinear,
+  RMSNorm,
+  RowParallelLinear,
+  SwiGLU,
+  VocabParallelEmbed,
+  apply_rope,
+  rope_angles,
+  vocab_parallel_cross_entropy,
+)
 from ntp_jax.layout import make_layout
 from ntp_jax.shard import tp_call
-from tp_cases import TP_GROUPS, group_id
 
 B, S = 2, 5
 
@@ -50,8 +58,8 @@ def test_swiglu(group):
 def test_swiglu_d_ff_5_on_2_slots():
   layout = make_layout(5, 2)
   assert layout.sizes == (3, 2)
-  check_layer(SwiGLU(4, layout, rngs=nnx.Rngs(2)), (_x((B, S, 4)),), (P(),), P(), lambda p, x: ref.swiglu(x, p),
-              grad_args=(0,))
+  check_layer(SwiGLU(4, layout, rngs=nnx.Rngs(2)), (_x((B, S, 4)),), (P(),), P(),
+              lambda p, x: ref.swiglu(x, p), grad_args=(0,))
 
 
 @pytest.mark.parametrize("group", TP_GROUPS, ids=group_id)
@@ -68,7 +76,7 @@ def test_attention_16_heads_8_kv_on_3_slots():
   layout = make_layout(8, 3)
   assert layout.units == (3, 3, 2) and layout.with_unit_size(2).sizes == (6, 6, 4)
   layer = Attention(12, 16, 4, layout, rngs=nnx.Rngs(4))
-  assert layer.wq.kernel[...].shape == (3, 12, 3 * 2 * 4)
+  assert layer.wq[...].shape == (3, 12, 3 * 2 * 4)
   check_layer(layer, (_x((B, 7, 12)),), (P(),), P(),
               lambda p, x: ref.attention(x, p, 16, 8, 4, 500_000.0),
               fn=_attention_fn(4, 500_000.0), grad_args=(0,))
@@ -100,8 +108,8 @@ class _Logits(nnx.Module):
   """Wraps split logits as a TPParam so check_layer differentiates them."""
 
   def __init__(self, logits, layout):
-    from ntp_jax.layers.params import TPParam
     from ntp_jax.blocks import to_blocks
+    from ntp_jax.layers.params import TPParam
     self.logits = TPParam(to_blocks(logits, layout, -1), tp_layout=layout, tp_axis=logits.ndim - 1)
 
 

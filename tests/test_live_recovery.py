@@ -6,12 +6,12 @@ import os
 import jax
 import numpy as np
 import pytest
+from test_train import tiny_config
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.metrics import read_metrics, read_records
 from ntp_jax.recovery import poison
 from ntp_jax.trainer import train
-from test_train import tiny_config
 
 QUIET = dict(log=lambda *_: None)
 MESH = {"mesh.dp": 2, "mesh.tp": 4, "ntp.rebalance": "equal"}
@@ -141,9 +141,9 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
   from models.gpt import GPT, GPTConfig, model_layouts
   from ntp_jax.data import make_dataset
   from ntp_jax.optim import make_optimizer
-  from ntp_jax.sources import ArraySource
   from ntp_jax.plan import make_plan
   from ntp_jax.replica_class import JobStep, build_class_programs, logical_state
+  from ntp_jax.sources import ArraySource
 
   events = {"ntp.rebalance": "proportional", "ntp.fail_at": "20@0:3", "ntp.repair_at": "30@0:3"}
   ntp = run(workdir, tmp_path, **events)
@@ -158,7 +158,7 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
                          config.train.seed, max_corpus_bytes=config.data.max_corpus_bytes,
                          val_fraction=config.data.val_fraction)
   losses, cursor, programs, source = [], 0, None, None
-  for step, batch in enumerate(batches):
+  for batch in batches:
     if programs is None or batch != programs[0].replica_class.batch_share:
       if programs is not None:
         source = ArraySource({p: np.asarray(a) for p, a in logical_state(programs).items()})

@@ -4,12 +4,12 @@ import glob
 import struct
 
 import numpy as np
+from test_train import tiny_config
 
 from ntp_jax.data import make_dataset
 from ntp_jax.metrics import read_metrics
 from ntp_jax.replica_class import JobStep
 from ntp_jax.trainer import train
-from test_train import tiny_config
 
 
 def _events(logdir):

@@ -14,14 +14,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-
 from job_harness import SMALL
+
 from models.gpt import GPT, model_layouts
 from ntp_jax.checkpoint import CheckpointError, Checkpoints
 from ntp_jax.placement import Leaf, even_pieces, leaves_of, read_logical
-from ntp_jax.sources import ArraySource
 from ntp_jax.plan import make_plan
 from ntp_jax.replica_class import abstract_class_state, build_class_programs
+from ntp_jax.sources import ArraySource
 
 # (mesh.tp, mesh.dp, ntp.failed, ntp.slot_weights): failed slots at the ends and in the
 # middle, 0 to 3 failures, several replicas, speed weights; 8 KV heads on 3 and 7 slots
@@ -41,8 +41,8 @@ OPTIMIZER = optax.adamw(1e-2)
 def make(tp, dp, failed, weights, source=None):
   plan = make_plan(functools.partial(model_layouts, SMALL), tp=tp, dp=dp, failed=failed,
                    slot_weights=weights, batch_size=6, rebalance="equal")
-  return build_class_programs(plan, lambda l: GPT(SMALL, l, rngs=nnx.Rngs(0)), OPTIMIZER, 1.0,
-                              36, jax.devices()[:tp * dp], source=source)
+  return build_class_programs(plan, lambda layouts: GPT(SMALL, layouts, rngs=nnx.Rngs(0)),
+                              OPTIMIZER, 1.0, 36, jax.devices()[:tp * dp], source=source)
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,8 +67,8 @@ def assert_holds(programs, expected):
       assert set(got) == set(expected)
       for path, value in expected.items():
         np.testing.assert_array_equal(np.asarray(got[path]), value,
-                                      err_msg=f"{'/'.join(path)} class {program.replica_class.index}"
-                                      f" replica {replica}")
+                                      err_msg=f"{'/'.join(path)} class "
+                                      f"{program.replica_class.index} replica {replica}")
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +102,14 @@ def test_restore_into_another_model_names_the_parameter_and_both_shapes(checkpoi
                    batch_size=6, rebalance="equal")
   with pytest.raises(CheckpointError, match=r"params/embed/embedding has shape \(37, 16\), "
                      r"the model expects \(41, 16\)"):
-    build_class_programs(plan, lambda l: GPT(bigger_vocab, l, rngs=nnx.Rngs(0)), OPTIMIZER,
-                         1.0, 36, jax.devices()[:4], source=checkpoints[0].source(7))
+    build_class_programs(plan, lambda layouts: GPT(bigger_vocab, layouts, rngs=nnx.Rngs(0)),
+                         OPTIMIZER, 1.0, 36, jax.devices()[:4], source=checkpoints[0].source(7))
   deeper = dataclasses.replace(SMALL, n_layers=3)
   plan = make_plan(functools.partial(model_layouts, deeper), tp=4, dp=1, batch_size=6)
   # Stacked blocks: a deeper model differs in the layer axis of the first block parameter.
   with pytest.raises(CheckpointError, match=r"params/blocks/\S+ has shape \(2, .*\), "
                                             r"the model expects \(3, "):
-    build_class_programs(plan, lambda l: GPT(deeper, l, rngs=nnx.Rngs(0)), OPTIMIZER,
+    build_class_programs(plan, lambda layouts: GPT(deeper, layouts, rngs=nnx.Rngs(0)), OPTIMIZER,
                          1.0, 36, jax.devices()[:4], source=checkpoints[0].source(7))
 
 

@@ -3,8 +3,8 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from test_train import tiny_config
+
 from ntp_jax.trainer import train
 
 

@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 import pytest
+from test_train import ROOT, tiny_config
 
 from ntp_jax.data.packed_dataset import PackedDataset
 from ntp_jax.metrics import read_metrics, read_records
 from ntp_jax.trainer import train
-from test_train import ROOT, tiny_config
 
 QUIET = dict(log=lambda *_: None)
 
@@ -110,7 +110,8 @@ def test_sigkill_during_an_async_save_resumes_from_the_last_complete_step(tmp_pa
   caught = None
   try:
     while time.time() < deadline and proc.poll() is None:
-      partial = [p for p in (os.listdir(ckpt) if ckpt.exists() else []) if ".orbax-checkpoint-tmp" in p]
+      names = os.listdir(ckpt) if ckpt.exists() else []
+      partial = [p for p in names if ".orbax-checkpoint-tmp" in p]
       done = [p for p in os.listdir(ckpt)] if ckpt.exists() else []
       if partial and len(done) > 2:
         proc.send_signal(signal.SIGKILL)
@@ -222,7 +223,8 @@ tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
 device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
 state = ocp.StandardCheckpointer().restore(path, target)
-print(state["params"]["embed"]["embedding"].shape, state["opt_state"]["0"]["nu"]["head"]["kernel"].shape)
+print(state["params"]["embed"]["embedding"].shape,
+      state["opt_state"]["0"]["nu"]["head"]["kernel"].shape)
 """
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"

@@ -5,9 +5,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ntp_jax.sim import (ClusterSpec, FailureModel, PolicySettings, availability_timeline,
-                         failed_gpus_for_fraction, loss_sweep, sample_failed_counts,
-                         sample_timeline, spares_needed)
+from ntp_jax.sim import (
+  ClusterSpec,
+  FailureModel,
+  PolicySettings,
+  availability_timeline,
+  failed_gpus_for_fraction,
+  loss_sweep,
+  sample_failed_counts,
+  sample_timeline,
+  spares_needed,
+)
 
 PAPER = ClusterSpec(num_gpus=32_768, tp=32, pp=8)
 SMALL = ClusterSpec(num_gpus=4096, tp=32, pp=4)
@@ -41,8 +49,8 @@ def test_one_failure_costs_dp_drop_one_replica_exactly():
 
 
 def test_sweep_is_reproducible_by_seed():
-  run = lambda seed: loss_sweep(SMALL, [0.0, 2e-3, 5e-3], PolicySettings(), num_samples=300,
-                                seed=seed)
+  def run(seed):
+    return loss_sweep(SMALL, [0.0, 2e-3, 5e-3], PolicySettings(), num_samples=300, seed=seed)
   assert run(3) == run(3)
   assert run(3) != run(4)
   assert all(p.mean_loss == 0.0 for p in run(3) if p.failed_gpus == 0)
@@ -112,8 +120,8 @@ def test_timeline_without_failures_is_always_available():
 
 
 def test_timeline_is_reproducible_and_policies_are_ordered():
-  run = lambda seed: availability_timeline(PAPER, FailureModel(), PolicySettings(), days=5,
-                                           seed=seed)
+  def run(seed):
+    return availability_timeline(PAPER, FailureModel(), PolicySettings(), days=5, seed=seed)
   first, again = run(7), run(7)
   for name in first.availability:
     np.testing.assert_array_equal(first.availability[name], again.availability[name])

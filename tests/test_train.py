@@ -89,7 +89,7 @@ def _cli(*args, env_extra=None):
 def test_bad_input_is_one_line_naming_the_field(args, field, tmp_path):
   result = _cli(*args, f"--config.workdir={tmp_path}")
   assert result.returncode == 2, result.stderr[-2000:]
-  lines = [l for l in result.stderr.splitlines() if l.strip()]
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
   assert lines[-1].startswith(f"error: {field}:"), result.stderr[-2000:]
   assert "Traceback" not in result.stderr
 

@@ -132,7 +132,7 @@ def build_entry(entry: str, write_files) -> None:
     # read like any other file the run writes.
     os.chmod(staging, 0o755)
   except OSError as e:
-    raise field_error("cache_dir", f"cannot create {parent!r}: {e.strerror}")
+    raise field_error("cache_dir", f"cannot create {parent!r}: {e.strerror}") from None
   try:
     info = write_files(staging)
     files = {name: _file_record(os.path.join(staging, name))
@@ -147,7 +147,7 @@ def build_entry(entry: str, write_files) -> None:
       # An entry there means another process published first.
       if not os.path.lexists(entry):
         raise field_error("cache_dir", f"cannot publish {entry}: "
-                          f"{e.strerror}")
+                          f"{e.strerror}") from None
   finally:
     shutil.rmtree(staging, ignore_errors=True)
 

@@ -208,7 +208,7 @@ def read_documents(files: tuple[str, ...],
             data = data[:remaining]
             truncated = True
     except OSError as e:
-      raise field_error("path", f"cannot read {file_path!r}: {e.strerror}")
+      raise field_error("path", f"cannot read {file_path!r}: {e.strerror}") from None
     num_bytes += len(data)
     if data:
       texts.append(data.decode("utf-8", errors="replace"))

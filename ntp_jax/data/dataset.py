@@ -13,11 +13,8 @@ import shutil
 
 import numpy as np
 
-from ntp_jax.data import cache
-from ntp_jax.data import corpus
-from ntp_jax.data import packing
+from ntp_jax.data import cache, corpus, packing, token_file
 from ntp_jax.data import tokenizer as tokenizer_lib
-from ntp_jax.data import token_file
 from ntp_jax.data.errors import field_error
 from ntp_jax.data.packed_dataset import CorpusInfo, PackedDataset
 

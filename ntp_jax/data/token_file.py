@@ -47,7 +47,7 @@ def load_token_file(path: str, vocab_size: int,
   try:
     tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
   except OSError as e:
-    raise field_error("path", f"cannot read {path!r}: {e.strerror}")
+    raise field_error("path", f"cannot read {path!r}: {e.strerror}") from None
 
   entry = cache.entry_dir(cache_dir, "bin", file=(path, size, mtime_ns))
   max_token, from_cache = cache.load_or_build(

@@ -103,6 +103,6 @@ def run_layers(layers: nnx.Module, x: jax.Array, *args, scan: bool = True,
   # transposes would each add a full-size zero-padded gradient.
   pieces = jax.tree.map(lambda a: jnp.split(a, n, axis=0), per_layer)
   for i in range(n):
-    layer = jax.tree.map(lambda p: p[i][0], pieces, is_leaf=lambda p: isinstance(p, list))
+    layer = jax.tree.map(lambda p, i=i: p[i][0], pieces, is_leaf=lambda p: isinstance(p, list))
     x = apply(x, layer, *args)
   return x

@@ -19,8 +19,13 @@ from ntp_jax.sim.degrees import DegreeRule
 from ntp_jax.sim.failures import FailureModel, Timeline, sample_timeline
 from ntp_jax.sim.placement import failed_gpus_for_fraction, sample_failed_counts
 from ntp_jax.sim.planner import ReplicaPlan, global_batch_fractions, plan_replicas
-from ntp_jax.sim.policies import (Policy, PolicySettings, job_capacity, replica_shares,
-                                  throughput_loss)
+from ntp_jax.sim.policies import (
+                                  Policy,
+                                  PolicySettings,
+                                  job_capacity,
+                                  replica_shares,
+                                  throughput_loss,
+)
 from ntp_jax.sim.power import PowerCurve
 from ntp_jax.sim.spares import SparesResult, spares_needed
 from ntp_jax.sim.sweep import LossPoint, loss_sweep

@@ -21,7 +21,6 @@ from ntp_jax.sim.spares import spares_needed
 from ntp_jax.sim.sweep import loss_sweep
 from ntp_jax.sim.timeline import availability_timeline
 
-
 _POLICY_NAMES = ", ".join(p.value for p in Policy)
 _FAILED_EXAMPLE = "3=1,17=2"
 

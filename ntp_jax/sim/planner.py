@@ -15,8 +15,13 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 
 from ntp_jax.sim.degrees import DegreeRule
-from ntp_jax.sim.policies import (Policy, PolicySettings, domain_degrees, group_domains,
-                                  replica_shares)
+from ntp_jax.sim.policies import (
+  Policy,
+  PolicySettings,
+  domain_degrees,
+  group_domains,
+  replica_shares,
+)
 from ntp_jax.sim.power import PowerCurve
 
 
