@@ -60,7 +60,7 @@ def copy_shared_from_last(x_blk: jax.Array, layout: Layout, axis: int) -> jax.Ar
   """
   if not layout.shared_units:
     return x_blk
-  start = layout.own_block_units * layout.unit_size
+  start = layout.own_size
   last = slot_position() == layout.degree - 1
   shared = jax.lax.slice_in_dim(x_blk, start, layout.block, axis=axis)
   shared = tp_sum(jnp.where(last, shared, jnp.zeros((), shared.dtype)))

@@ -39,7 +39,7 @@ class Layout:
       padded unit. Default 0.
 
   A slot's block is its own run, zero-padded to the largest own run
-  (``own_block_units``), then the shared units.
+  (``own_block_units`` units, ``own_size`` elements), then the shared units.
   """
 
   tp: int
@@ -91,6 +91,12 @@ class Layout:
     return max(self.units)
 
   @property
+  def own_size(self) -> int:
+    """Elements of the block's own region: the slot's own run, zero-padded to the
+    largest; the shared units (if any) follow, from here to ``block``."""
+    return self.own_block_units * self.unit_size
+
+  @property
   def block_units(self) -> int:
     """Units in the padded block: own region plus shared units (at least 1)."""
     return max(self.own_block_units + self.shared_units, 1)
@@ -108,7 +114,7 @@ class Layout:
     """int32 [degree, block]: logical index of each padded-block entry, -1 for padding."""
     index = np.full((self.degree, self.block), -1, dtype=np.int32)
     own_total = sum(self.sizes)
-    shared_start = self.own_block_units * self.unit_size
+    shared_start = self.own_size
     for i, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
       index[i, :size] = np.arange(offset, offset + size)
       index[i, shared_start:] = np.arange(own_total, self.size)

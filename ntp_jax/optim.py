@@ -73,7 +73,7 @@ def logical_norm(grads: nnx.State, replicas: int = 1, *, stacked: bool = False) 
       axis = lead + 1 + v.tp_axis
       shape = [1] * g.ndim
       shape[axis] = layout.block
-      shared = jnp.arange(layout.block) >= layout.own_block_units * layout.unit_size
+      shared = jnp.arange(layout.block) >= layout.own_size
       squares = squares * jnp.where(shared, 1.0 / layout.degree, 1.0).reshape(shape)
     total = total + jnp.sum(squares)
   return jnp.sqrt(total / (replicas if stacked else 1))

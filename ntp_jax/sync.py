@@ -75,7 +75,7 @@ def _last_slot_keeps_shared(value: jax.Array, layout: Layout, axis: int) -> jax.
     return value
   shape = [1] * value.ndim
   shape[axis] = layout.block
-  own = (jnp.arange(layout.block) < layout.own_block_units * layout.unit_size).reshape(shape)
+  own = (jnp.arange(layout.block) < layout.own_size).reshape(shape)
   last = slot_position() == layout.degree - 1
   return jnp.where(own | last, value, jnp.zeros((), value.dtype))
 
@@ -149,7 +149,7 @@ def from_sync_blocks(blocks: dict, template: nnx.State, degree: int, t_min: int)
 
 
 def path_key(path: tuple) -> str:
-  """``('blocks', 0, 'attn', 'wq', 'kernel')`` -> ``'blocks/0/attn/wq/kernel'``."""
+  """``('blocks', 'mlp', 'gate', 'kernel')`` -> ``'blocks/mlp/gate/kernel'``."""
   return "/".join(str(p) for p in path)
 
 

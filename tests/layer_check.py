@@ -38,7 +38,7 @@ def sum_shared_global(state):
       return v
     layout, axis = v.tp_layout, 1 + v.tp_axis
     g = v.get_value()
-    start = layout.own_block_units * layout.unit_size
+    start = layout.own_size
     shared = jax.lax.slice_in_dim(g, start, layout.block, axis=axis)
     shared = jnp.broadcast_to(shared.sum(axis=0, keepdims=True), shared.shape)
     return v.replace(jnp.concatenate([jax.lax.slice_in_dim(g, 0, start, axis=axis), shared],
@@ -60,11 +60,29 @@ def check_layer(module, args, arg_specs, out_spec, reference, *, out_layout=None
   """Forward and gradient of ``fn(module, *args)`` under shard_map against ``reference``.
 
   Args:
-    reference: ``reference(logical_params, *logical_args)`` dense result.
-    out_layout: the layout of a split output (column-parallel), else None.
-    grad_args: indices of ``args`` (floats) whose gradients are compared too;
-      ``args_to_logical`` conversions are the caller's (pass logical args to
-      reference through ``logical_args``).
+    module: an NNX module with at least one ``TPParam``; the first one's
+      layout gives the mesh (``mesh_for``).
+    args: the layer's arguments as global arrays (a split input as
+      ``split_to_global(x, layout)``).
+    arg_specs: one ``PartitionSpec`` per entry of ``args``.
+    out_spec: ``PartitionSpec`` of the layer's output.
+    reference: ``reference(logical_params, *args)``, the dense result, given
+      the module's parameters in logical form (``ntp_jax.shard.to_logical``)
+      and the *same* ``args`` as the layer: it converts a split argument to
+      logical form itself (``global_to_logical``), so the gradients of
+      ``grad_args`` compare like for like.
+    out_layout: the layout of a split output (column-parallel), else None;
+      the output is compared in logical form and its padding must be zero.
+    fn: ``fn(module, *args)``, what to run; default ``module(*args)``.
+    grad_args: indices of ``args`` (floats) whose gradients are compared too.
+    seed: the cotangent is drawn from ``jax.random.key(seed + 1)``.
+
+  Returns:
+    The layer's global output.
+
+  Raises:
+    ValueError: ``module`` has no ``TPParam``.
+    AssertionError: a value or gradient differs, or a gradient's padding is not zero.
   """
   layout = _any_layout(module)
   mesh = mesh_for(layout)

@@ -56,6 +56,14 @@ def test_apportion_sums_and_stays_within_one_unit_of_quota(num_units, weights):
   assert np.all(np.abs(units - quota) < 1)
 
 
+def test_own_size_is_where_shared_units_start():
+  layout = make_layout(5, 2, unit_size=4)  # own runs 3, 2: block 3 units, none shared
+  assert layout.own_size == 12 == layout.block
+  shared = make_layout(8, 3, unit_size=2, share_remainder=True)  # 2,2,2 +2 shared
+  assert shared.own_size == 4 and shared.block == 8
+  assert shared.gather_index()[:, shared.own_size:].tolist() == [[12, 13, 14, 15]] * 3
+
+
 def test_gather_and_scatter_index_are_inverse():
   layout = make_layout(7, 4, failed=[1], unit_size=3)
   gather = layout.gather_index().reshape(-1)

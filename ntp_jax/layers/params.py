@@ -65,7 +65,7 @@ def sum_shared_grads(grads: nnx.State) -> nnx.State:
     if not isinstance(v, TPParam) or not layout.shared_units:
       return v
     g, axis = v.get_value(), 1 + v.tp_axis
-    start = layout.own_block_units * layout.unit_size
+    start = layout.own_size
     own = jax.lax.slice_in_dim(g, 0, start, axis=axis)
     shared = jax.lax.slice_in_dim(g, start, layout.block, axis=axis)
     return v.replace(jnp.concatenate([own, tp_sum(shared)], axis=axis))
