@@ -156,7 +156,7 @@ class GPT(nnx.Module):
   ``__call__`` and ``loss_sum`` run inside a ``shard_map`` body (see
   ``ntp_jax.shard``) and see this device's blocks. The decoder blocks are one
   stacked module (``ntp_jax.layers.stack_layers``): each block parameter has a
-  layer axis, e.g. ``blocks.attn.wq.kernel`` is logically
+  layer axis, e.g. ``blocks.attn.wq`` is logically
   ``[n_layers, d_model, n_heads * head_dim]``. With ``cfg.tie_embeddings``
   there is no ``head``: the logits are ``x @ embed.embedding.T``, each slot's
   vocabulary rows giving its block of the logits (the same vocabulary layout

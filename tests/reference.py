@@ -25,9 +25,9 @@ def rope(x, theta):
 
 def attention(x, p, n_heads, n_kv_heads, head_dim, theta):
   b, s, _ = x.shape
-  q = (x @ p["wq"]["kernel"]).reshape(b, s, n_heads, head_dim)
-  k = (x @ p["wk"]["kernel"]).reshape(b, s, n_kv_heads, head_dim)
-  v = (x @ p["wv"]["kernel"]).reshape(b, s, n_kv_heads, head_dim)
+  q = (x @ p["wq"]).reshape(b, s, n_heads, head_dim)
+  k = (x @ p["wk"]).reshape(b, s, n_kv_heads, head_dim)
+  v = (x @ p["wv"]).reshape(b, s, n_kv_heads, head_dim)
   q, k = rope(q, theta), rope(k, theta)
   repeat = n_heads // n_kv_heads
   k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
@@ -36,7 +36,7 @@ def attention(x, p, n_heads, n_kv_heads, head_dim, theta):
   scores = jnp.where(causal, scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, n_heads * head_dim)
-  return out @ p["wo"]["kernel"]
+  return out @ p["wo"]
 
 
 def swiglu(x, p):

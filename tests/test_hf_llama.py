@@ -86,7 +86,7 @@ def test_logits_match_transformers_on_uneven_plans(tmp_path, variant, monkeypatc
       # wq [2, 32, 32] in 4 even pieces: each device read only its 8 columns, once.
       wq = sorted(r for n, r in reads if n.endswith("q_proj.weight"))
       assert wq == [((0, 2), (0, 32), (c, c + 8)) for c in range(0, 32, 8)]
-      kernel = model.blocks.attn.wq.kernel.get_value()
+      kernel = model.blocks.attn.wq.get_value()
       assert {s.data.shape for s in kernel.addressable_shards} == {
           (1, 2, 32, layouts.heads.block * 4 * 4)}
 

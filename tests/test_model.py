@@ -81,7 +81,7 @@ def test_scanned_unrolled_and_rematerialised_blocks_match_dense_reference(scan, 
   loss, grads = jax.jit(make_loss_and_grad(graphdef, params, mesh, batch[:, 1:].size))(params, batch)
   logical = to_logical(replica_view(params))
   # Each layer drew its own weights.
-  wq = logical["blocks"]["attn"]["wq"]["kernel"]
+  wq = logical["blocks"]["attn"]["wq"]
   assert wq.shape == (3, 16, 64) and not np.allclose(wq[0], wq[1])
   ref_loss, ref_grads = jax.value_and_grad(ref.gpt_loss)(logical, batch[:, :-1], batch[:, 1:], cfg)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
@@ -137,7 +137,7 @@ def test_gpt_8b_shapes_and_parameter_count_without_allocating():
   assert n == count_params(cfg)
   assert abs(n - 8.03e9) < 0.005e9, n
   # 8 KV heads on 7 slots: a padded block of 2 groups (4 query heads each, head_dim 128).
-  assert params["blocks"]["attn"]["wq"]["kernel"].get_value().shape == (7, 32, 4096, 2 * 4 * 128)
+  assert params["blocks"]["attn"]["wq"].get_value().shape == (7, 32, 4096, 2 * 4 * 128)
   assert params["blocks"]["mlp"]["gate"]["kernel"].get_value().shape == (7, 32, 4096, 2048)
 
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ntp_jax.collectives import slot_position, tp_sum
-from ntp_jax.layers.linear import ColumnParallelLinear, RowParallelLinear
-from ntp_jax.layers.params import local_block
+from ntp_jax.layers.linear import default_kernel_init
+from ntp_jax.layers.params import local_block, tp_param
 from ntp_jax.layers.rope import apply_rope
 from ntp_jax.layout import Layout
 
@@ -37,10 +37,17 @@ class Attention(nnx.Module):
     n_heads: query heads (a multiple of ``n_kv_heads``).
     head_dim: features per head.
     layout: split of the ``n_kv_heads = layout.num_units`` KV-head groups.
+    dtype: compute dtype. param_dtype: storage dtype.
 
-  Parameters: ``wq.kernel [degree, d_model, block * group * head_dim]``,
-  ``wk.kernel``, ``wv.kernel [degree, d_model, block * head_dim]``,
-  ``wo.kernel [degree, block * group * head_dim, d_model]``.
+  Parameters (``TPParam``, drawn in this order from ``rngs.params``, each
+  logical kernel from ``ntp_jax.layers.linear.default_kernel_init``):
+  ``wq [degree, d_model, block * group * head_dim]`` and ``wk``, ``wv
+  [degree, d_model, block * head_dim]`` split on their columns (logically
+  ``[d_model, n_heads * head_dim]``, ``[d_model, n_kv_heads * head_dim]``);
+  ``wo [degree, block * group * head_dim, d_model]`` split on its rows.
+  ``block`` is ``layout.block`` KV groups; the layouts of the parameters are
+  ``layout`` measured in ``group * head_dim`` (``wq``, ``wo``) or
+  ``head_dim`` (``wk``, ``wv``) elements per unit.
 
   Raises:
     ValueError: ``n_heads`` not a multiple of the number of KV heads.
@@ -51,7 +58,7 @@ class Attention(nnx.Module):
     n_kv_heads = layout.num_units
     if n_kv_heads < 1 or n_heads % n_kv_heads:
       raise ValueError(
-          f"model.n_heads: {n_heads} query heads are not a multiple of "
+          f"Attention: n_heads {n_heads} is not a multiple of the layout's "
           f"{n_kv_heads} KV heads")
     self.group = n_heads // n_kv_heads
     self.head_dim = head_dim
@@ -59,27 +66,27 @@ class Attention(nnx.Module):
     self.degree = layout.degree
     self.own_units = layout.own_block_units
     self.shared_units = layout.shared_units
-    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     q_layout = layout.with_unit_size(self.group * head_dim)
     kv_layout = layout.with_unit_size(head_dim)
-    self.wq = ColumnParallelLinear(d_model, q_layout, **kw)
-    self.wk = ColumnParallelLinear(d_model, kv_layout, **kw)
-    self.wv = ColumnParallelLinear(d_model, kv_layout, **kw)
-    self.wo = RowParallelLinear(q_layout, d_model, **kw)
+    init = default_kernel_init
+    self.wq = tp_param(rngs, init, (d_model, q_layout.size), q_layout, 1, param_dtype)
+    self.wk = tp_param(rngs, init, (d_model, kv_layout.size), kv_layout, 1, param_dtype)
+    self.wv = tp_param(rngs, init, (d_model, kv_layout.size), kv_layout, 1, param_dtype)
+    self.wo = tp_param(rngs, init, (q_layout.size, d_model), q_layout, 0, param_dtype)
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    b, s, _ = x.shape
-    per_group = self.group * self.head_dim
-    wq, wk, wv, wo = (local_block(w.kernel).astype(self.dtype)
+    # x: [b, s, d_model] (same on every slot); wq: [d_model, q_blk], wk, wv:
+    # [d_model, kv_blk], wo: [q_blk, d_model] (q_blk = block * group * head_dim).
+    wq, wk, wv, wo = (local_block(w).astype(self.dtype)
                       for w in (self.wq, self.wk, self.wv, self.wo))
-    own = self.own_units
+    # Own KV groups first, then the shared ones (Layout.own_size, per parameter).
+    q_own, kv_own = self.wq.tp_layout.own_size, self.wk.tp_layout.own_size
     x = x.astype(self.dtype)
-    out = self._heads(x, cos, sin, wq[:, :own * per_group], wk[:, :own * self.head_dim],
-                      wv[:, :own * self.head_dim], wo[:own * per_group], own)
+    out = self._heads(x, cos, sin, wq[:, :q_own], wk[:, :kv_own], wv[:, :kv_own], wo[:q_own],
+                      self.own_units)
     if self.shared_units:
-      out = out + self._shared_heads(x, cos, sin, wq[:, own * per_group:],
-                                     wk[:, own * self.head_dim:], wv[:, own * self.head_dim:],
-                                     wo[own * per_group:])
+      out = out + self._shared_heads(x, cos, sin, wq[:, q_own:], wk[:, kv_own:], wv[:, kv_own:],
+                                     wo[q_own:])
     return tp_sum(out)
 
   def _heads(self, x, cos, sin, wq, wk, wv, wo, units):
