@@ -18,10 +18,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ntp_jax.layers import (REMAT_POLICIES, Attention, ColumnParallelLinear, RMSNorm, SwiGLU,
-                            VocabParallelEmbed, rope_angles, run_layers, stack_layers,
-                            vocab_parallel_cross_entropy)
 from ntp_jax.errors import ConfigError
+from ntp_jax.layers import (
+  REMAT_POLICIES,
+  Attention,
+  ColumnParallelLinear,
+  RMSNorm,
+  SwiGLU,
+  VocabParallelEmbed,
+  rope_angles,
+  run_layers,
+  stack_layers,
+  vocab_parallel_cross_entropy,
+)
 from ntp_jax.layout import Layout, make_layout, units_of
 from ntp_jax.model_spec import ModelSpec
 

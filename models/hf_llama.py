@@ -371,7 +371,7 @@ def _read_slice(tensor, name: Name, ranges: tuple[slice, ...]) -> np.ndarray:
 
 
 def _flat_params(params: Mapping) -> dict[Path, Any]:
-  """Flat ``path -> array`` from a nested dict or a flat dict of paths, ``params`` prefix dropped."""
+  """Flat ``path -> array`` of a nested dict or a flat dict of paths; ``params`` prefix dropped."""
   if all(isinstance(k, tuple) for k in params):
     flat = dict(params)
   else:

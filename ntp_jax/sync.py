@@ -38,8 +38,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.collectives import (copy_shared_from_last, reshard_uneven, slot_position,
-                                 tp_sum, transfer_schedule)
+from ntp_jax.collectives import (
+  copy_shared_from_last,
+  reshard_uneven,
+  slot_position,
+  tp_sum,
+  transfer_schedule,
+)
 from ntp_jax.layers.params import TPParam
 from ntp_jax.layout import Layout, apportion, owner_layout
 

@@ -16,8 +16,8 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-
 from layer_check import global_to_logical
+
 from models.gpt import GPT, GPTConfig, model_layouts
 from models.hf_llama import HFSource, export_hf, read_hf_config, tokenizer_file
 from ntp_jax.errors import ConfigError
@@ -118,6 +118,7 @@ def test_export_then_import_is_bit_exact(tmp_path, variant):
 
 def test_export_command_reads_a_checkpoint(tmp_path, capsys):
   from safetensors.numpy import load_file
+
   from ntp_jax.checkpoint import Checkpoints
   from ntp_jax.export_hf import main
   folder = _folder(tmp_path, "untied")

@@ -3,16 +3,15 @@
 import jax
 import numpy as np
 import pytest
-from flax import nnx
-
 import reference as ref
+from flax import nnx
 from layer_check import assert_padding_zero
+from tp_cases import TP_GROUPS, group_id
+
 from models.gpt import GPT, GPTConfig, count_params, model_layouts
 from ntp_jax.mesh import class_mesh
-from ntp_jax.shard import to_logical
 from ntp_jax.replica_class import abstract_params, init_stacked_params, make_loss_and_grad
-from ntp_jax.shard import replica_view
-from tp_cases import TP_GROUPS, group_id
+from ntp_jax.shard import replica_view, to_logical
 
 # Sizes that do not divide: 8 KV heads, 16 query heads, d_ff 20 in units of 4, vocabulary 37.
 CFG = GPTConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=4,
@@ -30,7 +29,8 @@ def test_gpt_loss_and_gradient_match_dense_reference(group):
   mesh = class_mesh([0], [layouts.heads.live_slots], tp)
   graphdef, params = init_stacked_params(lambda: GPT(CFG, layouts, rngs=nnx.Rngs(0)), mesh, 1)
   batch = _batch(CFG, 3, 6)
-  loss, grads = jax.jit(make_loss_and_grad(graphdef, params, mesh, batch[:, 1:].size))(params, batch)
+  step = make_loss_and_grad(graphdef, params, mesh, batch[:, 1:].size)
+  loss, grads = jax.jit(step)(params, batch)
   params, grads = replica_view(params), replica_view(grads)
 
   logical = to_logical(params)
@@ -56,7 +56,8 @@ def test_tied_embeddings_loss_and_gradient_match_dense_reference(group):
   graphdef, params = init_stacked_params(lambda: GPT(cfg, layouts, rngs=nnx.Rngs(4)), mesh, 1)
   assert "head" not in params
   batch = _batch(cfg, 3, 6, seed=1)
-  loss, grads = jax.jit(make_loss_and_grad(graphdef, params, mesh, batch[:, 1:].size))(params, batch)
+  step = make_loss_and_grad(graphdef, params, mesh, batch[:, 1:].size)
+  loss, grads = jax.jit(step)(params, batch)
   params, grads = replica_view(params), replica_view(grads)
 
   logical = to_logical(params)
@@ -78,7 +79,8 @@ def test_scanned_unrolled_and_rematerialised_blocks_match_dense_reference(scan, 
   mesh = class_mesh([0], [layouts.heads.live_slots], 8)
   graphdef, params = init_stacked_params(lambda: GPT(cfg, layouts, rngs=nnx.Rngs(1)), mesh, 1)
   batch = _batch(cfg, 5, 6, seed=2)
-  loss, grads = jax.jit(make_loss_and_grad(graphdef, params, mesh, batch[:, 1:].size))(params, batch)
+  step = make_loss_and_grad(graphdef, params, mesh, batch[:, 1:].size)
+  loss, grads = jax.jit(step)(params, batch)
   logical = to_logical(replica_view(params))
   # Each layer drew its own weights.
   wq = logical["blocks"]["attn"]["wq"]
@@ -91,6 +93,7 @@ def test_scanned_unrolled_and_rematerialised_blocks_match_dense_reference(scan, 
 
 def test_unknown_remat_policy_names_the_field():
   import dataclasses
+
   from ntp_jax.errors import ConfigError
   with pytest.raises(ConfigError, match="model.remat: unknown policy 'ful'"):
     dataclasses.replace(CFG, remat="ful")
@@ -104,10 +107,10 @@ def test_same_seed_gives_same_logical_parameters_for_every_layout():
 
 def test_logical_arrays_placed_into_blocks_with_shared_units():
   import optax
-  from ntp_jax.placement import flatten
-  from ntp_jax.sources import ArraySource
+
+  from ntp_jax.placement import flatten, place_logical
   from ntp_jax.replica_class import abstract_class_state
-  from ntp_jax.placement import place_logical
+  from ntp_jax.sources import ArraySource
   layouts = model_layouts(CFG, 8, (3,))  # 8 KV heads on 7 slots: 1 each + 1 shared
   assert layouts.heads.shared_units == 1
   state = nnx.state(GPT(CFG, layouts, rngs=nnx.Rngs(5)))
