@@ -1,7 +1,23 @@
-"""Test set-up: 8 simulated CPU devices, fixed before JAX starts."""
+"""Test set-up: 8 simulated CPU devices, fixed before JAX starts, and one compilation cache.
+
+Many tests compile the same programs (gpt_tiny on the same plans) in several
+processes: xdist workers and the ``train.py`` subprocesses they start. One
+persistent compilation cache per test run, shared through the environment,
+compiles each program once; it holds XLA executables keyed by the program
+and its options, so no result depends on it. It is removed at the end.
+"""
 
 import os
+import shutil
+import tempfile
 
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                         f"ntp_jax_tests_{_RUN}")
+  os.environ["NTP_JAX_TESTS_OWN_CACHE"] = "1"  # this run made it: remove it at the end
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
@@ -15,3 +31,9 @@ if len(jax.devices()) < 8:
   raise RuntimeError(
       f"tests need 8 devices, found {len(jax.devices())}; "
       "XLA_FLAGS was set before conftest ran")
+
+
+def pytest_unconfigure(config):
+  """The run's compilation cache goes with the run (the controller removes it, last)."""
+  if not hasattr(config, "workerinput") and os.environ.get("NTP_JAX_TESTS_OWN_CACHE"):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
