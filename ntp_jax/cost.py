@@ -13,11 +13,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from ntp_jax.mesh import DP, TP
-from ntp_jax.replica_class import ClassProgram, JobStep
+from ntp_jax.replica_class import ClassProgram, JobStep, abstract_sync_blocks
 
 
 def compiled_flops(lowered: Any) -> float:
@@ -32,6 +29,11 @@ def compiled_flops(lowered: Any) -> float:
   if " while(" in compiled.as_text():
     raise ValueError("cost analysis of a program with a loop counts its body once; "
                      "measure the unrolled model (model.scan_layers=False)")
+  return flops_of(compiled)
+
+
+def flops_of(compiled: Any) -> float:
+  """Per-device flops XLA's cost analysis gives a compiled program (a loop body counted once)."""
   analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older JAX returns one dict per program
     analysis = analysis[0]
@@ -50,10 +52,7 @@ def class_step_flops(job: JobStep, program: ClassProgram, seq_len: int) -> float
   if program.step is not None:
     return compiled_flops(program.step.lower(program.params, program.opt_state, batch))
   grad_flops = compiled_flops(program.grad.lower(program.params, batch))
-  _, blocks = jax.eval_shape(program.grad, program.params, batch)
-  block_sharding = NamedSharding(program.mesh, P(DP, TP))
-  blocks = {k: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=block_sharding)
-            for k, b in blocks.items()}
+  blocks = abstract_sync_blocks(program.grad, program.params, batch, program.mesh)
   update_flops = compiled_flops(program.update.lower(program.params, program.opt_state, blocks))
   return grad_flops + update_flops
 

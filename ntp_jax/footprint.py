@@ -22,15 +22,15 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from ntp_jax.mesh import DP, TP, class_mesh
+from ntp_jax.cost import flops_of
+from ntp_jax.mesh import class_mesh
 from ntp_jax.model_spec import default_loss
 from ntp_jax.plan import Plan, ReplicaClass
 from ntp_jax.replica_class import (
   ClassProgram,
   abstract_class_state,
+  abstract_sync_blocks,
   class_shardings,
   make_fused_step,
   make_split_step,
@@ -44,8 +44,6 @@ class ClassFootprint:
   Attributes:
     replica_class: the class.
     params: parameter bytes (its padded blocks and replicated variables).
-    grads: gradient bytes (same shapes and dtype as the parameters; live
-      inside the step, so also counted in ``temp``).
     opt_state: optimizer state bytes (Adam moments follow their parameter).
     temp: XLA's temporary buffers of the step (activations kept for the
       backward pass, gradients, workspace); with several classes the larger
@@ -57,12 +55,17 @@ class ClassFootprint:
 
   replica_class: ReplicaClass
   params: int
-  grads: int
   opt_state: int
   temp: int
   batch: int
   outputs: int
   flops: float | None = None
+
+  @property
+  def grads(self) -> int:
+    """Gradient bytes: the parameters' shapes and dtype (live inside the step, so also
+    part of ``temp``)."""
+    return self.params
 
   @property
   def peak(self) -> int:
@@ -82,13 +85,6 @@ def device_bytes(tree: Any) -> int:
 def _with_shardings(abstract: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       abstract, shardings)
-
-
-def _flops(compiled) -> float:
-  analysis = compiled.cost_analysis()
-  if isinstance(analysis, (list, tuple)):  # older JAX: one dict per program
-    analysis = analysis[0]
-  return float(analysis.get("flops", 0.0))
 
 
 def abstract_program(plan: Plan, replica_class: ReplicaClass,
@@ -136,27 +132,23 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
   for replica_class in plan.classes:
     program, batch = abstract_program(plan, replica_class, make_model, optimizer, seq_len,
                                       devices, loss)
-    mesh = program.mesh
     if len(plan.classes) == 1:
       step = make_fused_step(program, optimizer, clip_norm, global_tokens)
       compiled = [step.lower(program.params, program.opt_state, batch).compile()]
     else:
       grad, update = make_split_step(program, optimizer, clip_norm, global_tokens, t_min)
       first = grad.lower(program.params, batch).compile()
-      _, blocks = jax.eval_shape(grad, program.params, batch)
-      block_sharding = NamedSharding(mesh, P(DP, TP))
-      blocks = {k: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=block_sharding)
-                for k, b in blocks.items()}
+      blocks = abstract_sync_blocks(grad, program.params, batch, program.mesh)
       compiled = [first, update.lower(program.params, program.opt_state, blocks).compile()]
     memory = [c.memory_analysis() for c in compiled]
     params = device_bytes(program.params)
     out.append(ClassFootprint(
-        replica_class=replica_class, params=params, grads=params,
+        replica_class=replica_class, params=params,
         opt_state=device_bytes(program.opt_state),
         temp=max(int(m.temp_size_in_bytes) for m in memory),
         batch=device_bytes(batch),
         outputs=max(int(m.output_size_in_bytes - m.alias_size_in_bytes) for m in memory),
-        flops=sum(_flops(c) for c in compiled)))
+        flops=sum(flops_of(c) for c in compiled)))
   return out
 
 

@@ -232,6 +232,17 @@ def make_split_step(program: ClassProgram, optimizer: optax.GradientTransformati
   return grad_fn, update_fn
 
 
+def abstract_sync_blocks(grad: Callable[..., Any], params: Any, batch: Any,
+                         mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+  """The sync blocks ``grad(params, batch)`` returns, as sharded ``ShapeDtypeStruct``s.
+
+  For lowering a class's update half without running its gradient half.
+  """
+  _, blocks = jax.eval_shape(grad, params, batch)
+  sharding = NamedSharding(mesh, P(DP, TP))
+  return {k: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding) for k, b in blocks.items()}
+
+
 def _shardings_of(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.sharding, tree)
 
