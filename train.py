@@ -6,7 +6,8 @@
 Kept short on purpose: it parses the config, makes sure enough devices exist
 (on a machine without an accelerator it simulates ``mesh.dp * mesh.tp`` CPU
 devices, set before JAX starts, unless ``XLA_FLAGS`` already sets a count),
-and calls ``ntp_jax.trainer.train``.
+joins a multi-process job when the config or the environment asks for one
+(``ntp_jax.distributed``), and calls ``ntp_jax.trainer.train``.
 """
 
 import os
@@ -64,16 +65,32 @@ def main(argv):
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config is required, e.g. --config configs/gpt_tiny.py")
-  simulate_cpu_devices(max(1, int(config.mesh.dp) * int(config.mesh.tp)))
-
-  from ntp_jax.data import DataError  # JAX starts here, after XLA_FLAGS is set.
+  from ntp_jax import distributed  # imports JAX; its backend starts later, reading XLA_FLAGS
   from ntp_jax.errors import ConfigError
-  from ntp_jax.trainer import train
   try:
+    processes = distributed.processes_in_config(config)
+  except ConfigError as err:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
+  # Several processes (ntp_jax.launch, SLURM, ...) share the devices of the job.
+  simulate_cpu_devices(max(1, int(config.mesh.dp) * int(config.mesh.tp) // processes))
+
+  from ntp_jax.data import DataError
+  from ntp_jax.trainer import train
+  job = None
+  try:
+    job = distributed.join(config)
     train(config)
   except (ConfigError, DataError) as err:
     print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
+  except Exception:
+    # An error inside a collective is often a lost peer: let the heartbeat name it.
+    if job is not None and job.heartbeat is not None:
+      job.heartbeat.wait_for_verdict()
+    raise
+  if job is not None:
+    job.finish()
 
 
 if __name__ == "__main__":

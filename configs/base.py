@@ -70,6 +70,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint.dir = ""  # empty: WORKDIR/checkpoints
   c.checkpoint.resume = True  # continue from the latest checkpoint in checkpoint.dir, this plan
 
+  c.distributed = ml_collections.ConfigDict()
+  # Several processes (jax.distributed). All empty: one process, or the cluster's own settings
+  # (SLURM, Open MPI) when it runs several; python -m ntp_jax.launch sets them for one machine.
+  c.distributed.coordinator = ""  # host:port of process 0
+  c.distributed.num_processes = 0  # processes in the job (0: from the launcher or the cluster)
+  c.distributed.process_id = -1  # this process's index (-1: from the launcher or the cluster)
+  c.distributed.processes_per_domain = 1  # consecutive processes forming one scale-up domain
+  c.distributed.heartbeat_timeout_s = 30.0  # a silent process is lost after this; others stop
+
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # text file / folder / glob, or uint16 .bin tokens; empty: Python stdlib source
   c.data.max_corpus_bytes = 4_000_000  # bytes of text read (tokenizer training and packing)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from ntp_jax.goodput import GoodputClock
@@ -25,6 +26,25 @@ from ntp_jax.plan import Plan
 from ntp_jax.recovery import DeviceFailure, Event, PeerSource, failed_text, poison
 from ntp_jax.replica_class import JobStep, ProgramCache, build_class_programs, logical_state
 from ntp_jax.sources import InitSource
+
+
+class DatasetRows:
+  """The rows ``[cursor, cursor + count)`` of the data walk, read only when sliced.
+
+  A job step slices out the rows of the replicas whose devices this process
+  drives (``replica_class.class_batch``); nothing else is read.
+  """
+
+  def __init__(self, dataset, cursor: int, count: int, seq_len: int):
+    self.dataset, self.cursor, self.count = dataset, cursor, count
+    self.shape = (count, seq_len + 1)
+
+  def __len__(self) -> int:
+    return self.count
+
+  def __getitem__(self, rows: slice) -> np.ndarray:
+    start, stop, _ = rows.indices(self.count)
+    return self.dataset.sequences(self.cursor + start, stop - start)
 
 
 class TrainingRun:
@@ -146,7 +166,13 @@ class TrainingRun:
     self.log(f"step {self.step}: {', '.join(e.describe() for e in events)} -> TP degrees "
              f"{[r.degree for r in plan.replicas]}{dropped}, {plan.global_batch} sequences per "
              f"step{redo}")
-    if self.config.ntp.recovery == "live":
+    live = self.config.ntp.recovery == "live"
+    if live and jax.process_count() > 1:
+      # A failed slot's shards are copied device to device from a DP peer; across
+      # processes that copy is not written yet, so the state comes from the checkpoint.
+      self.log("  live recovery runs within one process only; restoring the last checkpoint")
+      live = False
+    if live:
       poison(self.programs, dead)
       source = PeerSource(self.programs, dead, min_degree=plan.t_min)
       try:
@@ -191,7 +217,8 @@ class TrainingRun:
 
   def discard_step(self) -> None:
     """A step cut by a failure after its gradients: computed, then thrown away."""
-    batch = self.dataset.sequences(self.cursor, self.plan.global_batch)
+    batch = DatasetRows(self.dataset, self.cursor, self.plan.global_batch,
+                        self.config.train.seq_len)
     with self.clock.timed("redone"):
       self.job_step.gradients_only(batch)
     self.redone_steps += 1
@@ -201,7 +228,7 @@ class TrainingRun:
     plan = self.plan
     degrees = [r.degree for r in plan.replicas]
     tokens = plan.global_batch * self.config.train.seq_len
-    batch = self.dataset.sequences(self.cursor, plan.global_batch)
+    batch = DatasetRows(self.dataset, self.cursor, plan.global_batch, self.config.train.seq_len)
     start = time.perf_counter()
     metrics = self.job_step(batch)
     # Both block: with several classes the loss is ready before the update is done.

@@ -20,12 +20,16 @@ class MetricsWriter:
   whole lines.
   """
 
-  def __init__(self, workdir: str):
-    os.makedirs(workdir, exist_ok=True)
+  def __init__(self, workdir: str, enabled: bool = True):
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self._file = open(self.path, "a", encoding="utf-8")
+    self._file = None
+    if enabled:  # in a multi-process job only process 0 writes
+      os.makedirs(workdir, exist_ok=True)
+      self._file = open(self.path, "a", encoding="utf-8")
 
   def write(self, record: dict[str, Any]) -> None:
+    if self._file is None:
+      return
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
 
@@ -34,7 +38,8 @@ class MetricsWriter:
     self.write({"event": name, **fields})
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
 
 
 class TensorBoardWriter:

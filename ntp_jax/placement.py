@@ -94,7 +94,7 @@ class Leaf:
     """``k``: slots holding the even layout of a split leaf (1 if not split)."""
     if self.layout is None:
       return 1
-    return self.k or even_pieces(self.layout.size, self.layout.degree)
+    return self.k if self.k is not None else even_pieces(self.layout.size, self.layout.degree)
 
   @property
   def even_layout(self) -> Layout:
@@ -393,6 +393,8 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
       pieces = []
       for row in mesh.devices:
         for j, device in enumerate(row):
+          if device.process_index != jax.process_index():
+            continue  # another process supplies its own devices' pieces
           if j < leaf.pieces:
             pieces.append(by_device[device])
           else:  # slots past k hold none of the even layout (zeros from the host: no compile)

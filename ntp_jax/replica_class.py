@@ -13,6 +13,7 @@ dispatched back to back and run concurrently on their own devices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,7 +38,16 @@ from ntp_jax.shard import (
   unstack_local,
 )
 from ntp_jax.sources import InitSource
-from ntp_jax.sync import CrossClassSync, from_sync_blocks, to_sync_blocks
+from ntp_jax.spanning import SpanningSource, read_logical_spanning
+from ntp_jax.sync import (
+  CrossClassSync,
+  from_sync_blocks,
+  pack_buffers,
+  sync_block_sizes,
+  synced_loss,
+  to_sync_blocks,
+  unpack_buffers,
+)
 
 
 @dataclasses.dataclass
@@ -195,50 +205,62 @@ def make_fused_step(program: ClassProgram, optimizer: optax.GradientTransformati
 
 def make_split_step(program: ClassProgram, optimizer: optax.GradientTransformation,
                     clip_norm: float, global_tokens: int, t_min: int):
-  """Several classes: the gradient half (to sync blocks) and the update half (from them)."""
+  """Several classes: the gradient half (to flat sync buffers) and the update half (from them).
+
+  ``grad(params, batch) -> buffers``: ``dtype -> [replicas, degree, L]``
+  (``P('dp', 'tp')``), every parameter's sync block packed into one flat
+  buffer per dtype, the replica's loss share last in the ``float32`` one.
+  ``update(params, opt_state, buffers) -> (params, opt_state, metrics)``
+  after ``sync.CrossClassSync``; ``metrics`` holds the job's ``loss`` and
+  ``grad_norm``, replicated over the class mesh.
+  """
   specs = replica_specs(program.params)
   degree = program.replica_class.degree
   graphdef = program.graphdef
 
   def grad_body(params_local, batch):
     loss, grads = _local_grads(graphdef, params_local, batch, global_tokens, program.loss)
-    blocks = to_sync_blocks(grads, degree, t_min)
-    # Every slot's sync block is its own: stack them over 'dp' and 'tp'.
-    return jax.lax.psum(loss, DP), {k: v[None] for k, v in blocks.items()}
+    buffers = pack_buffers(to_sync_blocks(grads, degree, t_min), loss)
+    # Every slot's buffer is its own: stack them over 'dp' and 'tp'.
+    return {k: v[None] for k, v in buffers.items()}
 
   block_specs = P(DP, TP)
 
   grad_fn = jax.jit(jax.shard_map(grad_body, mesh=program.mesh, in_specs=(specs, P(DP)),
-                                  out_specs=(P(), block_specs)),
+                                  out_specs=block_specs),
                     in_shardings=(spec_shardings(specs, program.mesh), program.batch_sharding))
 
-  def restore_body(blocks, params_local):
+  def restore_body(buffers, params_local):
     template = unstack_local(params_local)
-    local = {k: v[0] for k, v in blocks.items()}
+    local = unpack_buffers({k: v[0] for k, v in buffers.items()},
+                           sync_block_sizes(template, degree, t_min))
     return restack_local(from_sync_blocks(local, template, degree, t_min))
 
   restore = jax.shard_map(restore_body, mesh=program.mesh, in_specs=(block_specs, specs),
                           out_specs=specs)
   update = _update(optimizer, clip_norm, program.replicas)
 
-  def update_step(params, opt_state, blocks):
-    grads = restore(blocks, params)
-    return update(params, opt_state, grads)
+  def update_step(params, opt_state, buffers):
+    grads = restore(buffers, params)
+    params, opt_state, norm = update(params, opt_state, grads)
+    return params, opt_state, {"loss": synced_loss(buffers), "grad_norm": norm}
 
   shardings = spec_shardings(specs, program.mesh)
   opt_shardings = _shardings_of(program.opt_state)
+  replicated = NamedSharding(program.mesh, P())
   update_fn = jax.jit(update_step, donate_argnums=(0, 1),
-                      out_shardings=(shardings, opt_shardings, None))
+                      out_shardings=(shardings, opt_shardings,
+                                     {"loss": replicated, "grad_norm": replicated}))
   return grad_fn, update_fn
 
 
 def abstract_sync_blocks(grad: Callable[..., Any], params: Any, batch: Any,
                          mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
-  """The sync blocks ``grad(params, batch)`` returns, as sharded ``ShapeDtypeStruct``s.
+  """The sync buffers ``grad(params, batch)`` returns, as sharded ``ShapeDtypeStruct``s.
 
   For lowering a class's update half without running its gradient half.
   """
-  _, blocks = jax.eval_shape(grad, params, batch)
+  blocks = jax.eval_shape(grad, params, batch)
   sharding = NamedSharding(mesh, P(DP, TP))
   return {k: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding) for k, b in blocks.items()}
 
@@ -299,11 +321,17 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
   """
   if source is None:
     source = InitSource(lambda: make_model(plan.logical_layouts))
+  meshes = [class_mesh(c.replicas, c.live_slots, plan.tp, devices) for c in plan.classes]
+  targets = [abstract_class_state(lambda c=c: make_model(c.layouts), len(c.replicas), optimizer)
+             for c in plan.classes]
+  if jax.process_count() > 1:  # one collective read for every class (see ntp_jax.spanning)
+    source = SpanningSource(source, targets[0][1], meshes, min(c.degree for c in plan.classes))
   programs = []
-  for replica_class in plan.classes:
-    mesh = class_mesh(replica_class.replicas, replica_class.live_slots, plan.tp, devices)
-    graphdef, target = abstract_class_state(lambda c=replica_class: make_model(c.layouts),
-                                            len(replica_class.replicas), optimizer)
+  for replica_class, mesh, (graphdef, target) in zip(plan.classes, meshes, targets):
+    if not is_local(mesh):  # another process's class: its state stays abstract here
+      programs.append(ClassProgram(replica_class, mesh, graphdef, target["params"],
+                                   target["opt_state"], loss=loss))
+      continue
     state, filled = place_logical(target, mesh, source)
     opt_paths = {p for p in filled if p[0] == "opt_state"}
     if not opt_paths:
@@ -325,6 +353,8 @@ def attach_steps(plan: Plan, programs: list[ClassProgram],
   """Attach the step functions of every class (fused with one class, split with several)."""
   t_min = min(c.degree for c in plan.classes)
   for program in programs:
+    if not is_local(program.mesh):
+      continue  # another process's class: never called here
     c = program.replica_class
     fused = len(programs) == 1
     key = (program.mesh, c.layouts, fused, t_min, global_tokens, id(optimizer), clip_norm,
@@ -341,19 +371,79 @@ def attach_steps(plan: Plan, programs: list[ClassProgram],
 def logical_state(programs: list[ClassProgram]) -> dict:
   """The job's state in logical form (``placement.read_logical`` of the first class).
 
-  Every replica holds identical state, so one replica's copy is the job's.
+  Every replica holds identical state, so one replica's copy is the job's. In
+  a multi-process job the arrays span every replica (``spanning``), each
+  process holding its own devices' pieces, as orbax's collective save wants.
   """
+  if jax.process_count() > 1:
+    t_min = min(p.replica_class.degree for p in programs)
+    return read_logical_spanning(
+        [({"params": p.params, "opt_state": p.opt_state}, p.mesh) for p in programs], t_min)
   program = programs[0]
   return read_logical({"params": program.params, "opt_state": program.opt_state}, program.mesh)
 
 
+def is_local(mesh: Mesh) -> bool:
+  """``mesh`` holds a device of this process (its programs must be called here)."""
+  return any(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+
+def class_batch(program: ClassProgram, batch: Any, start: int) -> jax.Array:
+  """The class's rows ``batch[start:start + class rows]`` as a ``P('dp')`` array.
+
+  ``batch`` is anything sliceable by rows with a ``shape`` (a numpy array,
+  ``loop.DatasetRows``): only the rows of the replicas whose devices this
+  process drives are read, once per replica.
+  """
+  rows = program.replica_class.batch_rows
+  read: dict[tuple[int, int], np.ndarray] = {}
+
+  def rows_of(index):
+    lo, hi = index[0].start or 0, rows if index[0].stop is None else index[0].stop
+    if (lo, hi) not in read:
+      read[(lo, hi)] = np.asarray(batch[start + lo:start + hi], np.int32)
+    return read[(lo, hi)]
+
+  return jax.make_array_from_callback((rows, batch.shape[1]), program.batch_sharding, rows_of)
+
+
+def covering_classes(programs: list[ClassProgram]) -> list[int]:
+  """Classes that, between them, hold a device of every process (first classes first).
+
+  Work that one copy of the state suffices for (evaluation) runs on these:
+  every process takes part in a program of each one it holds a device of.
+  """
+  chosen, covered = [], set()
+  for i, program in enumerate(programs):
+    processes = {d.process_index for d in program.mesh.devices.flat}
+    if not processes <= covered:
+      chosen.append(i)
+      covered |= processes
+  return chosen
+
+
+@functools.lru_cache(maxsize=16)
+def _read_loss(mesh: Mesh) -> Callable[..., Any]:
+  return jax.jit(synced_loss, out_shardings=NamedSharding(mesh, P()))
+
+
 class JobStep:
-  """One training step of the whole job over its class programs."""
+  """One training step of the whole job over its class programs.
+
+  In a multi-process job each process calls the programs of the classes
+  that hold its devices (``local``), reads only those classes' batch rows,
+  and joins the cross-class all-reduce when it holds a core slot; the loss
+  comes back from the all-reduce, so no process reads another's devices.
+  """
 
   def __init__(self, plan: Plan, programs: list[ClassProgram],
                cache: ProgramCache | None = None):
     self.plan = plan
     self.programs = programs
+    self.local = [is_local(p.mesh) for p in programs]
+    if not any(self.local):
+      raise ValueError(f"process {jax.process_index()} holds no live device of the plan "
+                       f"(TP degrees {[r.degree for r in plan.replicas]})")
     self.sync = None
     if len(programs) > 1:
       meshes, t_min = [p.mesh for p in programs], min(c.degree for c in plan.classes)
@@ -361,7 +451,11 @@ class JobStep:
           ("sync", tuple(meshes), t_min), "cross-class sync",
           lambda: CrossClassSync(meshes, t_min))
 
-  def gradients_only(self, batch: np.ndarray) -> float:
+  @property
+  def first_local(self) -> ClassProgram:
+    return self.programs[self.local.index(True)]
+
+  def gradients_only(self, batch: Any) -> float:
     """Loss and gradients of ``batch`` (synced across classes), not applied.
 
     The work that a failure inside a step throws away; the state is unchanged.
@@ -372,51 +466,61 @@ class JobStep:
         program.grads_only = jax.jit(make_loss_and_grad(
             program.graphdef, program.params, program.mesh,
             self.plan.global_batch * (batch.shape[1] - 1), program.loss))
-      loss, grads = program.grads_only(program.params,
-                                       jax.device_put(batch, program.batch_sharding))
+      loss, grads = program.grads_only(program.params, class_batch(program, batch, 0))
       jax.block_until_ready(grads)
       return float(loss)
-    losses, synced = self._synced_gradients(batch)
+    synced = self._synced_buffers(batch)
     jax.block_until_ready(synced)
-    return float(sum(float(loss) for loss in losses))
+    i = self.local.index(True)
+    return float(_read_loss(self.programs[i].mesh)(synced[i]))
 
   def eval_loss(self, sequences: np.ndarray) -> float:
     """Mean next-token loss of ``sequences`` (int32 ``[n, seq_len + 1]``), no update.
 
-    Every replica holds the same parameters, so the first class evaluates:
-    each of its replicas computes every row, in chunks of the class's
-    training batch share (so activations fit as in a step; a shorter last
-    chunk compiles once more).
+    Every replica holds the same parameters, so one class evaluates (one per
+    process group in a multi-process job, ``covering_classes``): each of its
+    replicas computes every row, in chunks of the class's training batch
+    share (so activations fit as in a step; a shorter last chunk compiles
+    once more).
     """
-    program = self.programs[0]
-    rows = program.replica_class.batch_share
-    if program.eval_loss is None:
-      program.eval_loss = jax.jit(make_eval_loss(program))
-    total = sum(float(program.eval_loss(program.params, sequences[start:start + rows]))
-                for start in range(0, len(sequences), rows))
-    return total / (len(sequences) * (sequences.shape[1] - 1))
+    value = None
+    for i in covering_classes(self.programs):
+      if not self.local[i]:
+        continue
+      program = self.programs[i]
+      rows = program.replica_class.batch_share
+      if program.eval_loss is None:
+        program.eval_loss = jax.jit(make_eval_loss(program))
+      replicated = NamedSharding(program.mesh, P())
+      total = 0.0
+      for start in range(0, len(sequences), rows):
+        chunk = np.asarray(sequences[start:start + rows], np.int32)
+        total += float(program.eval_loss(program.params, jax.make_array_from_callback(
+            chunk.shape, replicated, lambda index, c=chunk: c[index])))
+      value = total / (len(sequences) * (sequences.shape[1] - 1)) if value is None else value
+    return value
 
-  def _synced_gradients(self, batch: np.ndarray) -> tuple[list[jax.Array], list[dict]]:
-    """Several classes: each class's loss share and its synced gradient blocks."""
-    losses, blocks = [], []
-    for program, (start, stop) in zip(self.programs, self.plan.class_rows()):
-      loss, class_blocks = program.grad(program.params,
-                                        jax.device_put(batch[start:stop], program.batch_sharding))
-      losses.append(loss)
-      blocks.append(class_blocks)
-    return losses, self.sync(blocks)
+  def _synced_buffers(self, batch: Any) -> list[dict | None]:
+    """Several classes: each local class's synced gradient buffers (None elsewhere)."""
+    buffers: list[dict | None] = []
+    for program, local, (start, _) in zip(self.programs, self.local, self.plan.class_rows()):
+      buffers.append(program.grad(program.params, class_batch(program, batch, start))
+                     if local else None)
+    return self.sync(buffers)
 
-  def __call__(self, batch: np.ndarray) -> dict[str, jax.Array]:
-    """``batch``: int32 ``[plan.global_batch, seq + 1]``, rows in class order."""
+  def __call__(self, batch: Any) -> dict[str, jax.Array]:
+    """``batch``: int32 ``[plan.global_batch, seq + 1]`` rows in class order (or a lazy
+    ``loop.DatasetRows``); returns the job's ``loss`` and ``grad_norm``, replicated over a
+    class mesh this process holds."""
     if self.sync is None:
       program = self.programs[0]
       program.params, program.opt_state, metrics = program.step(
-          program.params, program.opt_state, batch)
+          program.params, program.opt_state, class_batch(program, batch, 0))
       return metrics
-    losses, synced = self._synced_gradients(batch)
-    norm = None
-    for program, class_blocks in zip(self.programs, synced):
-      program.params, program.opt_state, norm = program.update(
-          program.params, program.opt_state, class_blocks)
-    # Class losses live on disjoint devices: add them on the host (after dispatching updates).
-    return {"loss": np.float32(sum(float(loss) for loss in losses)), "grad_norm": norm}
+    metrics = None
+    for program, local, buffers in zip(self.programs, self.local, self._synced_buffers(batch)):
+      if local:
+        program.params, program.opt_state, class_metrics = program.update(
+            program.params, program.opt_state, buffers)
+        metrics = metrics or class_metrics
+    return metrics

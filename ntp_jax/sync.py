@@ -158,8 +158,63 @@ def path_key(path: tuple) -> str:
   return "/".join(str(p) for p in path)
 
 
+LOSS_DTYPE = "float32"  # the buffer that also carries the replica's loss (its last element)
+
+
+def sync_block_sizes(template: nnx.State, degree: int, t_min: int) -> list[tuple[str, str, int]]:
+  """``(path, dtype, length)`` of every parameter's sync block, in ``to_sync_blocks`` order.
+
+  ``template`` is the local (unstacked) parameter state of a class.
+  """
+  sizes = []
+  for path, v in nnx.to_flat_state(template):
+    value = v.get_value()
+    if isinstance(v, TPParam):
+      other = int(np.prod(value.shape[1:])) // v.tp_layout.block
+      length = sync_layout(flat_layout(v.tp_layout, other), t_min).block
+    else:
+      length = _flat_layout(int(np.prod(value.shape)), degree, t_min).block
+    sizes.append((path_key(path), jnp.dtype(value.dtype).name, length))
+  return sizes
+
+
+def pack_buffers(blocks: dict, loss: jax.Array) -> dict[str, jax.Array]:
+  """Sync blocks (``path -> [1, n]``) -> one flat buffer per dtype (``dtype -> [1, L]``).
+
+  The ``float32`` buffer ends with ``loss`` (this replica's loss share), so
+  the peer-group all-reduce also sums the job's loss.
+  """
+  groups: dict[str, list[jax.Array]] = {}
+  for block in blocks.values():
+    groups.setdefault(jnp.dtype(block.dtype).name, []).append(block)
+  groups.setdefault(LOSS_DTYPE, []).append(loss.astype(LOSS_DTYPE).reshape(1, 1))
+  return {name: jnp.concatenate(parts, axis=1) for name, parts in groups.items()}
+
+
+def unpack_buffers(buffers: dict[str, jax.Array], sizes: list[tuple[str, str, int]]) -> dict:
+  """Inverse of ``pack_buffers``: ``dtype -> [1, L]`` -> ``path -> [1, n]`` (the loss dropped)."""
+  offsets = dict.fromkeys(buffers, 0)
+  out = {}
+  for key, dtype, length in sizes:
+    out[key] = jax.lax.slice_in_dim(buffers[dtype], offsets[dtype], offsets[dtype] + length,
+                                    axis=1)
+    offsets[dtype] += length
+  return out
+
+
+def synced_loss(buffers: dict[str, jax.Array]) -> jax.Array:
+  """The job's loss from a class's synced buffers (``[replicas, degree, L]``): any core
+  position holds the sum over every live replica."""
+  return buffers[LOSS_DTYPE][0, 0, -1]
+
+
 class CrossClassSync:
-  """Phase 2: all-reduce of the core slots' sync blocks over every live replica.
+  """Phase 2: all-reduce of the core slots' flat buffers over every live replica.
+
+  One buffer per dtype and device: the host-side work per step is a few
+  calls per local device, whatever the parameter count. In a multi-process
+  job each process hands over the buffers of its own devices and every
+  process holding a core slot runs the one all-reduce program.
 
   Args:
     meshes: each class's ``('dp', 'tp')`` mesh, in class order.
@@ -172,56 +227,56 @@ class CrossClassSync:
     grid = [row[:t_min] for mesh in meshes for row in mesh.devices]
     self.mesh = Mesh(np.array(grid, dtype=object), (REPLICA, PEER))
     self.sharding = NamedSharding(self.mesh, P(REPLICA, PEER))
+    self.local = any(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
     self._all_reduce = jax.jit(jax.shard_map(
         lambda x: jax.lax.psum(x, REPLICA), mesh=self.mesh,
         in_specs=P(REPLICA, PEER), out_specs=P(REPLICA, PEER)))
 
-  def __call__(self, class_blocks: list[dict]) -> list[dict]:
-    """Sum each path's sync blocks over all live replicas.
+  def __call__(self, class_buffers: list[dict | None]) -> list[dict | None]:
+    """Sum each buffer over all live replicas.
 
     Args:
-      class_blocks: per class, ``path -> [replicas, degree, ...]`` arrays
-        (``P('dp', 'tp')`` on the class mesh) of sync blocks.
+      class_buffers: per class, ``dtype -> [replicas, degree, L]`` arrays
+        (``P('dp', 'tp')`` on the class mesh), or None for a class with no
+        device in this process.
 
     Returns:
       The same structure with core positions replaced by the all-reduced
-      blocks (positions beyond ``t_min`` are unchanged: they hold no data).
+      buffers (positions beyond ``t_min`` keep theirs: they hold no data).
     """
-    paths = list(class_blocks[0])
-    shards = [{path: _shards_by_position(blocks[path]) for path in paths}
-              for blocks in class_blocks]
-    stacked = {}
-    for path in paths:
-      pieces = [piece for c in range(len(class_blocks)) for row in shards[c][path]
-                for piece in row[:self.t_min]]
-      shape = (len(self.mesh.devices), self.t_min) + class_blocks[0][path].shape[2:]
-      stacked[path] = jax.make_array_from_single_device_arrays(shape, self.sharding, pieces)
-    reduced = self._all_reduce(stacked)  # one program for every parameter
-    out = []
-    for c, blocks in enumerate(class_blocks):
+    first = next(b for b in class_buffers if b is not None)
+    by_device: dict[str, dict[jax.Device, jax.Array]] = {name: {} for name in first}
+    for buffers in class_buffers:
+      for name, array in (buffers or {}).items():
+        by_device[name].update((s.device, s.data) for s in array.addressable_shards)
+    reduced_by_device: dict[str, dict[jax.Device, jax.Array]] = {name: {} for name in first}
+    if self.local:
+      stacked = {}
+      mine = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+      for name, array in first.items():
+        shape = (self.mesh.devices.shape[0], self.t_min, array.shape[2])
+        stacked[name] = jax.make_array_from_single_device_arrays(
+            shape, self.sharding, [by_device[name][d] for d in mine])
+      for name, array in self._all_reduce(stacked).items():  # one program for every dtype
+        reduced_by_device[name] = {s.device: s.data for s in array.addressable_shards}
+    out: list[dict | None] = []
+    for c, buffers in enumerate(class_buffers):
+      if buffers is None:
+        out.append(None)
+        continue
       synced = {}
-      for path in paths:
-        by_device = {s.device: s.data for s in reduced[path].addressable_shards}
+      for name, array in buffers.items():
         pieces = []
-        for r, row in enumerate(shards[c][path]):
-          for j, piece in enumerate(row):
-            # Positions beyond t_min hold no data: keep their (empty) buffers.
-            pieces.append(by_device[self.meshes[c].devices[r][j]] if j < self.t_min else piece)
-        synced[path] = jax.make_array_from_single_device_arrays(
-            blocks[path].shape, blocks[path].sharding, pieces)
+        for row in self.meshes[c].devices:
+          for j, device in enumerate(row):
+            if device.process_index == jax.process_index():
+              # Positions beyond t_min hold no data: keep their (empty) buffers.
+              pieces.append(reduced_by_device[name][device] if j < self.t_min
+                            else by_device[name][device])
+        synced[name] = jax.make_array_from_single_device_arrays(array.shape, array.sharding,
+                                                                pieces)
       out.append(synced)
     return out
-
-
-def _shards_by_position(array: jax.Array) -> list[list[jax.Array]]:
-  """``[replicas][position]`` -> the device buffer of a ``P('dp', 'tp')`` array."""
-  rows = array.shape[0]
-  cols = array.shape[1]
-  grid: list[list[jax.Array | None]] = [[None] * cols for _ in range(rows)]
-  for shard in array.addressable_shards:
-    r, j = shard.index[0].start or 0, shard.index[1].start or 0
-    grid[r][j] = shard.data
-  return grid  # type: ignore[return-value]
 
 
 def sync_traffic(plan, abstract_params_by_class: list[nnx.State], itemsize: int = 4) -> dict:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ntp_jax.checkpoint import Checkpoints
 from ntp_jax.data import make_dataset
+from ntp_jax.distributed import Job, check_domains, join, ordered_devices
 from ntp_jax.errors import ConfigError
 from ntp_jax.footprint import (
   ClassFootprint,
@@ -41,22 +42,44 @@ from ntp_jax.signals import StopSignals
 from ntp_jax.sync import sync_traffic
 
 
+def _quiet(log, job: Job):
+  """A logger for processes other than 0: only lines marked ``always``, with the index."""
+  def quiet(line: str, always: bool = False) -> None:
+    if always:
+      log(line)
+  return quiet
+
+
+def _logger(log):
+  """``log`` accepting the ``always`` keyword (process 0 prints every line)."""
+  def logger(line: str, always: bool = False) -> None:
+    log(line)
+  return logger
+
+
 def plan_from_config(config, model: ModelSpec) -> Plan:
   """The job's plan from ``mesh.*``, ``ntp.*`` and ``train.batch_size``."""
   return make_plan_from(config, model, config.ntp.failed)
 
 
-def check_devices(plan: Plan) -> list[jax.Device]:
+def check_devices(plan: Plan, processes_per_domain: int = 1) -> list[jax.Device]:
   """The job's devices: ``mesh.dp * mesh.tp`` of them, slot-major per replica.
 
+  Ordered by process (``distributed.ordered_devices``); in a multi-process
+  job every TP group must lie inside one scale-up domain.
+
   Raises:
-    ConfigError: fewer devices than the nominal mesh needs.
+    ConfigError: fewer devices than the nominal mesh needs, or a TP group
+      across domains.
   """
-  devices = jax.devices()
+  devices = ordered_devices()
   needed = plan.dp * plan.tp
   if len(devices) < needed:
     raise ConfigError(f"mesh: mesh.dp x mesh.tp = {needed} devices needed, "
-                      f"{len(devices)} present ({devices[0].platform})")
+                      f"{len(devices)} present ({devices[0].platform}, "
+                      f"{jax.process_count()} process(es))")
+  if jax.process_count() > 1:
+    check_domains(devices[:needed], plan.tp, plan.dp, processes_per_domain)
   return devices[:needed]
 
 
@@ -182,12 +205,19 @@ def train(config, *, model: ModelSpec | None = None, log=print,
       ``checkpoint.CheckpointError`` (a ``ConfigError``) for an unusable
       checkpoint, naming the path or parameter.
   """
+  job = join(config)  # several processes: jax.distributed first, before any computation
+  # Process 0 speaks for the job; the others say only where they are.
+  log = _logger(log) if job.primary else _quiet(log, job)
   check_train_fields(config.train)
   check_checkpoint_fields(config)
   model = model or load_model_spec(config)
   optimizer = make_optimizer(config.train)  # validates the optimizer fields up front
   plan = plan_from_config(config, model)
-  devices = check_devices(plan)
+  devices = check_devices(plan, job.processes_per_domain)
+  if job.multi_process:
+    mine = [i for i, d in enumerate(devices) if d.process_index == job.process_id]
+    log(f"process {job.process_id} of {job.num_processes}: {len(jax.local_devices())} local "
+        f"devices, replicas {sorted({i // plan.tp for i in mine})}", always=True)
   events, failed = events_from_config(config, plan)
   metrics_path = os.path.join(config.workdir, "metrics.jsonl")
   footprints = check_footprint(config, model, plan, optimizer, devices, log)
@@ -344,7 +374,8 @@ def _run(config, model, optimizer, plan, devices, checkpoints, start_step, curso
          log, events, failed, detector, dataset) -> dict[str, Any]:
   """Programs and the loop of ``train`` from ``start_step``, data cursor at ``cursor``."""
   log(dataset.describe())
-  writer = MetricsWriter(config.workdir)
+  primary = jax.process_index() == 0  # process 0 writes the metrics, the events, the plot
+  writer = MetricsWriter(config.workdir, enabled=primary)
   eval_rows = None
   if config.train.get("eval_every", 0) and dataset.validation is not None:
     count = min(config.train.eval_sequences, dataset.validation.num_sequences)
@@ -354,7 +385,7 @@ def _run(config, model, optimizer, plan, devices, checkpoints, start_step, curso
   elif config.train.get("eval_every", 0):
     log("validation: off (data.val_fraction=0 holds out no sequences)")
   board = TensorBoardWriter(os.path.join(config.workdir, "tensorboard")) if config.train.get(
-      "tensorboard", False) else None
+      "tensorboard", False) and primary else None
   run = TrainingRun(config, make_plan=functools.partial(make_plan_from, config, model),
                     make_model=model.make, loss=model.loss,
                     optimizer=optimizer, devices=devices, dataset=dataset,
@@ -432,7 +463,7 @@ def finish(run: TrainingRun, config, log) -> None:
     log(f"redone: {run.redone_steps} step(s)")
   if run.marks:
     log(f"programs: {run.cache.hits} cache hit(s), {run.cache.misses} compiled")
-  if run.records and (run.marks or config.train.get("plot", False)):
+  if run.records and (run.marks or config.train.get("plot", False)) and jax.process_index() == 0:
     path = os.path.join(config.workdir, "goodput.png")
     plot_run(run.records, run.marks, path)
     log(f"plot: {path}")

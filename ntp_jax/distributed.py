@@ -1,0 +1,320 @@
+"""Multi-process runs: ``jax.distributed`` set-up, scale-up domains, a heartbeat watchdog.
+
+JAX's multi-controller runtime is the engine: every process runs the same
+program, drives its own (local) devices, and takes part in exactly the
+compiled programs whose meshes hold some of them. This module
+
+- starts it from the config (``distributed.coordinator`` /
+  ``num_processes`` / ``process_id``, the ``NTP_JAX_*`` variables that
+  ``python -m ntp_jax.launch`` sets, or, with none of them, the cluster
+  environments ``jax.distributed.initialize()`` detects: SLURM, Open MPI, ...),
+  with gloo collectives on CPU;
+- orders the job's devices so that every TP group lies inside one scale-up
+  domain (``distributed.processes_per_domain`` consecutive processes; one
+  host's local devices by default);
+- watches the other processes (``Heartbeat``): when one dies or stops
+  answering, every survivor stops within ``distributed.heartbeat_timeout_s``
+  with one line naming it, rather than hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+
+from ntp_jax.errors import ConfigError
+
+ENV_COORDINATOR = "NTP_JAX_COORDINATOR"  # set by ntp_jax.launch for each process it starts
+ENV_NUM_PROCESSES = "NTP_JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "NTP_JAX_PROCESS_ID"
+# Environments in which jax.distributed.initialize() finds its settings by itself.
+CLUSTER_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
+LOST_EXIT_CODE = 3  # a survivor's exit status when a peer process is lost
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """How this process joins the job.
+
+  ``coordinator``/``num_processes``/``process_id`` are None when
+  ``jax.distributed.initialize`` detects them (a cluster environment).
+  """
+
+  coordinator: str | None
+  num_processes: int | None
+  process_id: int | None
+  heartbeat_timeout_s: float
+  processes_per_domain: int
+
+
+def _field(config, name, default):
+  section = config.get("distributed", None)
+  return default if section is None else section.get(name, default)
+
+
+def settings_from_config(config, environ: dict[str, str] | None = None) -> Settings | None:
+  """The multi-process settings of ``config``, or None for a single-process run.
+
+  Order: the config fields, then ``NTP_JAX_*`` (the local launcher), then a
+  cluster environment (``SLURM_NTASKS`` > 1, ...) left to JAX's detection.
+
+  Raises:
+    ConfigError: an incomplete or inconsistent setting, naming the field.
+  """
+  env = os.environ if environ is None else environ
+  coordinator = _field(config, "coordinator", "") or env.get(ENV_COORDINATOR, "")
+  num = int(_field(config, "num_processes", 0) or env.get(ENV_NUM_PROCESSES, 0) or 0)
+  pid = _field(config, "process_id", -1)
+  pid = int(env.get(ENV_PROCESS_ID, -1)) if pid is None or pid < 0 else int(pid)
+  timeout = float(_field(config, "heartbeat_timeout_s", 30.0))
+  per_domain = int(_field(config, "processes_per_domain", 1))
+  if timeout <= 0:
+    raise ConfigError(f"distributed.heartbeat_timeout_s: must be > 0, got {timeout}")
+  if per_domain < 1:
+    raise ConfigError(f"distributed.processes_per_domain: must be >= 1, got {per_domain}")
+  if coordinator or num > 1:
+    if not coordinator:
+      raise ConfigError("distributed.coordinator: required with distributed.num_processes="
+                        f"{num} (host:port of process 0)")
+    if ":" not in coordinator:
+      raise ConfigError(f"distributed.coordinator: expected host:port, got {coordinator!r}")
+    if num < 1:
+      raise ConfigError(f"distributed.num_processes: required with distributed.coordinator="
+                        f"{coordinator}, got {num}")
+    if not 0 <= pid < num:
+      raise ConfigError(f"distributed.process_id: must be in 0..{num - 1}, got {pid}")
+    return Settings(coordinator, num, pid, timeout, per_domain)
+  if num == 1:
+    return None
+  if any(int(env.get(v, "1") or 1) > 1 if v != "JAX_COORDINATOR_ADDRESS" else v in env
+         for v in CLUSTER_VARIABLES):
+    return Settings(None, None, None, timeout, per_domain)
+  return None
+
+
+def processes_in_config(config, environ: dict[str, str] | None = None) -> int:
+  """How many processes the run will have, as far as known before JAX starts (1 if unknown)."""
+  settings = settings_from_config(config, environ)
+  if settings is None:
+    return 1
+  if settings.num_processes is not None:
+    return settings.num_processes
+  env = os.environ if environ is None else environ
+  return int(env.get("SLURM_NTASKS") or env.get("OMPI_COMM_WORLD_SIZE") or 1)
+
+
+def initialize(settings: Settings) -> None:
+  """Join the job: ``jax.distributed.initialize`` (gloo collectives on CPU).
+
+  JAX's own heartbeat is set well above ``heartbeat_timeout_s`` so that the
+  ``Heartbeat`` watchdog, which names the lost process, speaks first.
+  """
+  # CPU collectives across processes need gloo; harmless where another platform is used.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+      settings.coordinator, settings.num_processes, settings.process_id,
+      heartbeat_timeout_seconds=int(3 * settings.heartbeat_timeout_s + 30))
+
+
+def ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+  """The job's devices by (process, local id): a process's devices are consecutive.
+
+  ``mesh.device_for_slot`` numbers slots replica-major over this order, so a
+  replica's TP group lies in as few processes as possible.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def check_domains(devices: Sequence[jax.Device], tp: int, dp: int,
+                  processes_per_domain: int) -> None:
+  """Every TP group must lie inside one scale-up domain.
+
+  A domain is ``processes_per_domain`` consecutive processes (one host's
+  local devices by default); the TP collectives run over NVLink there.
+
+  Raises:
+    ConfigError: a replica's slots would span two domains, naming the fields.
+  """
+  for replica in range(dp):
+    group = devices[replica * tp:(replica + 1) * tp]
+    domains = {d.process_index // processes_per_domain for d in group}
+    if len(domains) > 1:
+      per_process = len([d for d in devices if d.process_index == group[0].process_index])
+      raise ConfigError(
+          f"mesh.tp: replica {replica}'s {tp} slots would span scale-up domains "
+          f"{sorted(domains)} ({per_process} devices per process, "
+          f"distributed.processes_per_domain={processes_per_domain}); set "
+          f"distributed.processes_per_domain to {-(-tp // max(1, per_process))} or lower mesh.tp")
+
+
+class Heartbeat:
+  """Watches the other processes through the coordination service's key-value store.
+
+  Each process writes a counter under ``ntp_jax/heartbeat/<index>`` every
+  ``timeout_s / 6`` seconds and reads the others'. A peer whose counter has
+  not moved for ``timeout_s`` (or a coordinator that cannot be reached for
+  that long) is lost: ``on_lost`` is called with one line naming it, by
+  default printing it and ending the process with ``LOST_EXIT_CODE``, from a
+  thread, so even a main thread blocked in a collective stops. A process
+  that ends normally marks itself done first (``stop``) and is not missed.
+
+  Args:
+    client: ``jax._src.distributed.global_state.client``.
+    process_id, num_processes: this process and the job's count.
+    timeout_s: ``distributed.heartbeat_timeout_s``.
+    on_lost: called once with the message (tests pass their own).
+  """
+
+  def __init__(self, client, process_id: int, num_processes: int, timeout_s: float,
+               on_lost: Callable[[str], None] | None = None):
+    self.client = client
+    self.process_id = process_id
+    self.num_processes = num_processes
+    self.timeout_s = timeout_s
+    self.interval_s = max(0.05, timeout_s / 6)
+    self.on_lost = on_lost or _exit_lost
+    self.lost: str | None = None
+    now = time.monotonic()
+    self._last_change = {p: now for p in range(num_processes) if p != process_id}
+    self._last_value: dict[int, str | None] = dict.fromkeys(self._last_change)
+    self._last_ok = now
+    self._done: set[int] = set()
+    self._stop = threading.Event()
+    self._threads = [threading.Thread(target=self._beat, name="ntp-heartbeat", daemon=True),
+                     threading.Thread(target=self._judge, name="ntp-heartbeat-judge",
+                                      daemon=True)]
+
+  def start(self) -> Heartbeat:
+    for thread in self._threads:
+      thread.start()
+    return self
+
+  def stop(self) -> None:
+    """This process is finishing normally: tell the others, stop watching."""
+    self._stop.set()
+    try:
+      self.client.key_value_set(f"ntp_jax/done/{self.process_id}", "1", allow_overwrite=True)
+    except Exception:  # the coordinator may already be gone at the very end
+      pass
+
+  def _beat(self) -> None:
+    count = 0
+    while not self._stop.is_set():
+      count += 1
+      try:
+        self.client.key_value_set(f"ntp_jax/heartbeat/{self.process_id}", str(count),
+                                  allow_overwrite=True)
+        now = time.monotonic()
+        self._last_ok = now
+        for peer in self._last_change:
+          if peer in self._done:
+            continue
+          if _try_get(self.client, f"ntp_jax/done/{peer}"):
+            self._done.add(peer)
+            continue
+          value = _try_get(self.client, f"ntp_jax/heartbeat/{peer}")
+          if value != self._last_value[peer]:
+            self._last_value[peer], self._last_change[peer] = value, now
+      except Exception:  # the coordinator is unreachable: _judge counts the silence
+        pass
+      self._stop.wait(self.interval_s)
+
+  def _judge(self) -> None:
+    while not self._stop.wait(self.interval_s):
+      now = time.monotonic()
+      if now - self._last_ok > self.timeout_s:
+        self._lose(0, "the coordinator (process 0) cannot be reached")
+        return
+      for peer, seen in self._last_change.items():
+        if peer not in self._done and now - seen > self.timeout_s:
+          self._lose(peer, f"no heartbeat for {now - seen:.1f} s")
+          return
+
+  def _lose(self, peer: int, why: str) -> None:
+    self.lost = (f"lost process {peer} of {self.num_processes}: {why} "
+                 f"(distributed.heartbeat_timeout_s={self.timeout_s:g}); process "
+                 f"{self.process_id} stops; restart the job from its last checkpoint")
+    self.on_lost(self.lost)
+
+  def wait_for_verdict(self) -> str | None:
+    """After an error in a collective: wait up to the timeout for a lost peer to show.
+
+    Returns the lost-process line, or None if every peer still answers (the
+    error was this process's own).
+    """
+    deadline = time.monotonic() + self.timeout_s + 2 * self.interval_s
+    while self.lost is None and time.monotonic() < deadline:
+      time.sleep(self.interval_s / 2)
+    return self.lost
+
+
+def _try_get(client, key: str) -> str | None:
+  try:
+    return client.key_value_try_get(key)
+  except Exception:  # NOT_FOUND: the key was never written
+    return None
+
+
+def _exit_lost(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(LOST_EXIT_CODE)  # from a thread: the main one may be blocked in a collective
+
+
+@dataclasses.dataclass
+class Job:
+  """This process's place in the job (a single-process run is process 0 of 1)."""
+
+  process_id: int = 0
+  num_processes: int = 1
+  heartbeat: Heartbeat | None = None
+  processes_per_domain: int = 1
+
+  @property
+  def primary(self) -> bool:
+    return self.process_id == 0
+
+  @property
+  def multi_process(self) -> bool:
+    return self.num_processes > 1
+
+  def finish(self) -> None:
+    if self.heartbeat is not None:
+      self.heartbeat.stop()
+
+
+_JOINED: Job | None = None
+
+
+def join(config) -> Job:
+  """Start ``jax.distributed`` if ``config`` asks for several processes, and the heartbeat.
+
+  Must run before any JAX computation; a second call returns the same
+  ``Job``. A single-process config returns ``Job()`` and touches nothing.
+
+  Raises:
+    ConfigError: bad ``distributed.*`` settings, naming the field.
+  """
+  global _JOINED
+  if _JOINED is not None:
+    return _JOINED
+  settings = settings_from_config(config)
+  if settings is None:
+    return Job()
+  initialize(settings)
+  from jax._src import distributed as jax_distributed  # the runtime's key-value client
+
+  heartbeat = None
+  if jax.process_count() > 1:
+    heartbeat = Heartbeat(jax_distributed.global_state.client, jax.process_index(),
+                          jax.process_count(), settings.heartbeat_timeout_s).start()
+  _JOINED = Job(jax.process_index(), jax.process_count(), heartbeat,
+                settings.processes_per_domain)
+  return _JOINED

@@ -1,0 +1,130 @@
+"""Start a multi-process job on this machine: ``python -m ntp_jax.launch --processes N -- CMD``.
+
+For trying multi-process runs without a cluster. Starts ``N`` copies of
+``CMD`` (e.g. ``python train.py --config configs/gpt_tiny.py``), each told
+its place through ``NTP_JAX_COORDINATOR`` (127.0.0.1 and a free port),
+``NTP_JAX_NUM_PROCESSES`` and ``NTP_JAX_PROCESS_ID`` (read by
+``ntp_jax.distributed``), with its own CPU devices and gloo collectives.
+Every output line is prefixed with ``[i]``. When one process fails, the
+others are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and the
+launcher exits with the first failure's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from ntp_jax.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _pump(stream, prefix: str, out) -> None:
+  for line in iter(stream.readline, b""):
+    out.write(prefix + line.decode(errors="replace"))
+    out.flush()
+
+
+def launch(command: list[str], processes: int, *, devices_per_process: int | None = None,
+           grace_s: float = 10.0, port: int | None = None) -> int:
+  """Run ``command`` ``processes`` times as one job; returns the job's exit status.
+
+  Args:
+    command: the program and its arguments.
+    processes: how many processes.
+    devices_per_process: CPU devices each simulates (``XLA_FLAGS``); default:
+      ``train.py`` derives it from ``mesh.dp * mesh.tp / processes``.
+    grace_s: seconds between SIGTERM and SIGKILL when stopping the others.
+    port: the coordinator's port (default: a free one).
+
+  Returns:
+    0 when every process ended with 0, else the first non-zero status
+    (a process killed by a signal counts as 128 + the signal).
+  """
+  address = f"127.0.0.1:{port or free_port()}"
+  children = []
+  pumps = []
+  for i in range(processes):
+    env = dict(os.environ, **{ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(processes),
+                              ENV_PROCESS_ID: str(i), "PYTHONUNBUFFERED": "1"})
+    if devices_per_process:
+      flags = env.get("XLA_FLAGS", "")
+      env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}"
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    children.append(child)
+    pump = threading.Thread(target=_pump, args=(child.stdout, f"[{i}] ", sys.stdout),
+                            daemon=True)
+    pump.start()
+    pumps.append(pump)
+  status = 0
+  try:
+    running = set(range(processes))
+    while running:
+      for i in sorted(running):
+        code = children[i].poll()
+        if code is None:
+          continue
+        running.discard(i)
+        if code != 0 and status == 0:
+          status = code if code > 0 else 128 - code
+          print(f"[launch] process {i} exited with status {status}; stopping the others",
+                file=sys.stderr, flush=True)
+          _stop(children, running, grace_s)
+      time.sleep(0.1)
+  except KeyboardInterrupt:
+    _stop(children, set(range(processes)), grace_s)
+    status = 130
+  for pump in pumps:
+    pump.join(timeout=5)
+  return status
+
+
+def _stop(children, which, grace_s: float) -> None:
+  """SIGTERM the process groups of ``which``, SIGKILL what is left after ``grace_s``."""
+  for i in which:
+    if children[i].poll() is None:
+      os.killpg(children[i].pid, signal.SIGTERM)
+  deadline = time.monotonic() + grace_s
+  for i in which:
+    try:
+      children[i].wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      os.killpg(children[i].pid, signal.SIGKILL)
+      children[i].wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m ntp_jax.launch", description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--processes", type=int, required=True, help="processes to start")
+  parser.add_argument("--devices-per-process", type=int, default=None,
+                      help="CPU devices per process (default: mesh.dp * mesh.tp / processes)")
+  parser.add_argument("--grace", type=float, default=10.0,
+                      help="seconds between SIGTERM and SIGKILL when stopping the others")
+  parser.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+  parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
+  args = parser.parse_args(argv)
+  command = args.command[1:] if args.command[:1] == ["--"] else args.command
+  if not command:
+    parser.error("no command: give it after --, e.g. -- python train.py --config ...")
+  if args.processes < 1:
+    parser.error(f"--processes: must be >= 1, got {args.processes}")
+  return launch(command, args.processes, devices_per_process=args.devices_per_process,
+                grace_s=args.grace, port=args.port)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,159 @@
+"""Logical state as arrays that span every process (multi-process checkpoints and restore).
+
+In a multi-process job a class program runs only in the processes that hold
+its devices, but orbax saves and restores collectively: every process makes
+the same calls, and an array held by one process alone is refused as
+"host local". So the job's logical state is read and written through arrays
+over *every live replica*: a split leaf is cut into ``k`` even pieces over
+slots ``0..k-1`` of each replica (``k`` = the largest divisor of its size
+that is at most the job's smallest TP degree, so every replica can hold
+them), replicated over replicas; an unsplit leaf (norm scales, step counts)
+lives on every live device. Each process supplies or receives only the
+pieces of its own devices; orbax writes one copy (replica 0's) and every
+device reads only the pieces it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ntp_jax.placement import (
+  Leaf,
+  LogicalSource,
+  Path,
+  _add_lead,
+  _drop_lead,
+  _per_device,
+  copy_of_replica,
+  even_pieces,
+  even_pieces_of,
+  leaves_of,
+  per_device_map,
+)
+
+ROW = "replica"
+PIECE = "piece"
+
+
+def _mine(device: jax.Device) -> bool:
+  return device.process_index == jax.process_index()
+
+
+def spanning_sharding(leaf: Leaf, rows: list[list[jax.Device]], k: int) -> NamedSharding:
+  """``leaf`` over every replica row: split over each row's first ``k`` devices, or
+  (unsplit) replicated on every device of every row."""
+  if leaf.layout is None:
+    flat = [d for row in rows for d in row]
+    return NamedSharding(Mesh(np.array(flat, dtype=object), (PIECE,)), P())
+  spec = [None] * len(leaf.shape)
+  spec[leaf.axis] = PIECE
+  grid = np.array([row[:k] for row in rows], dtype=object)
+  return NamedSharding(Mesh(grid, (ROW, PIECE)), P(*spec))
+
+
+def job_pieces(leaf: Leaf, t_min: int) -> int:
+  """Pieces of a split leaf that every replica can hold (``k <= t_min``)."""
+  return even_pieces(leaf.layout.size, t_min) if leaf.layout is not None else 1
+
+
+def read_logical_spanning(classes: list[tuple[Any, Mesh]], t_min: int) -> dict[Path, jax.Array]:
+  """The job's logical state (``placement.read_logical``'s result) spanning every process.
+
+  Args:
+    classes: ``(state, mesh)`` of every class in plan order; the state of a
+      class with no device in this process may be abstract (not read).
+    t_min: the job's smallest TP degree.
+
+  Returns:
+    ``path -> jax.Array`` of the logical shape, sharded as ``spanning_sharding``;
+    this process holds the pieces on its own devices (maybe none).
+  """
+  rows = [list(row) for _, mesh in classes for row in mesh.devices]
+  leaves, _, _ = leaves_of(classes[0][0])
+  k = {leaf.path: job_pieces(leaf, t_min) for leaf in leaves}
+  local: dict[Path, list[jax.Array]] = {leaf.path: [] for leaf in leaves}
+  for state, mesh in classes:
+    if any(_mine(d) for d in mesh.devices.flat):
+      class_leaves, nodes, moved = even_pieces_of(
+          state, mesh, k)
+      split_pieces = per_device_map(_drop_lead, {
+          (leaf.path, device): x for leaf in class_leaves if leaf.layout is not None
+          for device, x in _per_device(moved[leaf.path]).items()
+          if _mine(device) and _slot_of(mesh, device) < k[leaf.path]})
+      for leaf, node in zip(class_leaves, nodes):
+        for r, row in enumerate(mesh.devices):
+          if leaf.layout is not None:
+            local[leaf.path] += [split_pieces[(leaf.path, d)] for d in row[:k[leaf.path]]
+                                 if _mine(d)]
+          else:
+            local[leaf.path] += [jax.device_put(copy_of_replica(node, leaf, row[0], r), d)
+                                 for d in row if _mine(d)]
+  return {leaf.path: jax.make_array_from_single_device_arrays(
+      leaf.shape, spanning_sharding(leaf, rows, k[leaf.path]), local[leaf.path],
+      dtype=leaf.dtype) for leaf in leaves}
+
+
+def _slot_of(mesh: Mesh, device: jax.Device) -> int:
+  for row in mesh.devices:
+    for j, d in enumerate(row):
+      if d == device:
+        return j
+  raise KeyError(device)
+
+
+class SpanningSource:
+  """Wraps a ``LogicalSource`` for a multi-process job: one collective read of every
+  leaf over every replica (``spanning_sharding``), then each class placed from the
+  pieces its devices hold (``placement.place_logical`` asks through ``read_blocks``,
+  ``read`` and ``pieces``).
+
+  Args:
+    source: the source to read (a checkpoint, an initialiser, a Hugging Face folder).
+    target: the first class's abstract state (its leaves name the logical arrays).
+    meshes: every class's mesh, in plan order. t_min: the smallest TP degree.
+  """
+
+  def __init__(self, source: LogicalSource, target: Any, meshes: list[Mesh], t_min: int):
+    self.source = source
+    self.t_min = t_min
+    leaves, _, _ = leaves_of(target)
+    available = source.paths()
+    wanted = [leaf for leaf in leaves if available is None or leaf.path in available]
+    rows = [list(row) for mesh in meshes for row in mesh.devices]
+    requests = {leaf.path: leaf.abstract(spanning_sharding(leaf, rows, job_pieces(leaf, t_min)))
+                for leaf in wanted}
+    self._arrays = source.read(requests) if requests else {}
+    self._paths = set(requests)
+
+  def paths(self) -> set[Path]:
+    return set(self._paths)
+
+  def pieces(self, leaf: Leaf) -> int:
+    return job_pieces(leaf, self.t_min)
+
+  def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                  ) -> dict[Path, dict[jax.Device, jax.Array]]:
+    """Split leaves: ``path -> {device: [1, 1, *piece]}`` for this process's devices."""
+    out: dict[Path, dict[jax.Device, jax.Array]] = {}
+    lifted = per_device_map(_add_lead, {
+        (path, s.device): s.data for path in requests
+        for s in self._arrays[path].addressable_shards})
+    for (path, device), x in lifted.items():
+      out.setdefault(path, {})[device] = x
+    return out
+
+  def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
+    """Unsplit leaves, replicated over the requested class mesh (local copies reused)."""
+    out = {}
+    for path, request in requests.items():
+      by_device = _per_device(self._arrays[path])
+      sharding = request.sharding
+      out[path] = jax.make_array_from_single_device_arrays(
+          request.shape, sharding,
+          [by_device[d] for d in sharding.mesh.devices.flat if _mine(d)], dtype=request.dtype)
+    return out
