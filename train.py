@@ -13,6 +13,7 @@ joins a multi-process job when the config or the environment asks for one
 import os
 import re
 import sys
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -83,14 +84,27 @@ def main(argv):
     train(config)
   except (ConfigError, DataError) as err:
     print(f"error: {err}", file=sys.stderr)
-    sys.exit(2)
+    _exit(job, 2)
   except Exception:
+    if job is None or not job.multi_process:
+      raise
     # An error inside a collective is often a lost peer: let the heartbeat name it.
-    if job is not None and job.heartbeat is not None:
+    if job.heartbeat is not None:
       job.heartbeat.wait_for_verdict()
-    raise
+    traceback.print_exc()
+    _exit(job, 1)
   if job is not None:
     job.finish()
+
+
+def _exit(job, status: int) -> None:
+  """Exit; a failed process of a multi-process job skips JAX's shutdown barrier, which
+  would wait for the others (they stop through their heartbeat or the launcher)."""
+  if job is not None and job.multi_process:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+  sys.exit(status)
 
 
 if __name__ == "__main__":

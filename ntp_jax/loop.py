@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ntp_jax.checkpoint import CheckpointError
 from ntp_jax.goodput import GoodputClock
 from ntp_jax.metrics import progress_line
 from ntp_jax.model_spec import default_loss
@@ -26,6 +27,7 @@ from ntp_jax.plan import Plan
 from ntp_jax.recovery import DeviceFailure, Event, PeerSource, failed_text, poison
 from ntp_jax.replica_class import JobStep, ProgramCache, build_class_programs, logical_state
 from ntp_jax.sources import InitSource
+from ntp_jax.spanning import processes_without_pieces
 
 
 class DatasetRows:
@@ -111,6 +113,17 @@ class TrainingRun:
                                          self.config.train.clip_norm, tokens, self.devices,
                                          source=source, cache=self.cache, loss=self.loss)
     self.job_step = JobStep(plan, self.programs, cache=self.cache)
+    if self.checkpoints is not None and jax.process_count() > 1:
+      missing = processes_without_pieces(
+          [({"params": p.params, "opt_state": p.opt_state}, p.mesh) for p in self.programs],
+          plan.t_min)
+      if missing:
+        process, name = next(iter(missing.items()))
+        raise CheckpointError(
+            f"checkpoint.every: process {process} would hold no piece of {name} on this plan "
+            f"(its TP group spans processes and it holds only late slots), which orbax's "
+            f"collective save needs; set checkpoint.every=0 or "
+            f"distributed.processes_per_domain=1")
     self.compile_next = self.cache.misses > misses
     for what, hit in self.cache.events[-(len(self.programs) + (len(self.programs) > 1)):]:
       if self.step:  # at start-up every program is new: say nothing

@@ -389,7 +389,7 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
     inputs = []
     for leaf in split:
       block = (1, 1) + leaf.piece_shape
-      by_device = blocks.get(leaf.path) or lifted[leaf.path]
+      by_device = blocks[leaf.path] if leaf.path in blocks else lifted[leaf.path]
       pieces = []
       for row in mesh.devices:
         for j, device in enumerate(row):

@@ -91,8 +91,10 @@ def read_logical_spanning(classes: list[tuple[Any, Mesh]], t_min: int) -> dict[P
             local[leaf.path] += [split_pieces[(leaf.path, d)] for d in row[:k[leaf.path]]
                                  if _mine(d)]
           else:
-            local[leaf.path] += [jax.device_put(copy_of_replica(node, leaf, row[0], r), d)
-                                 for d in row if _mine(d)]
+            mine = [d for d in row if _mine(d)]
+            if mine:  # a copy from one of this process's devices of the row, to each of them
+              copy = copy_of_replica(node, leaf, mine[0], r)
+              local[leaf.path] += [jax.device_put(copy, d) for d in mine]
   return {leaf.path: jax.make_array_from_single_device_arrays(
       leaf.shape, spanning_sharding(leaf, rows, k[leaf.path]), local[leaf.path],
       dtype=leaf.dtype) for leaf in leaves}
@@ -139,12 +141,12 @@ class SpanningSource:
   def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
     """Split leaves: ``path -> {device: [1, 1, *piece]}`` for this process's devices."""
-    out: dict[Path, dict[jax.Device, jax.Array]] = {}
+    out: dict[Path, dict[jax.Device, jax.Array]] = {path: {} for path in requests}
     lifted = per_device_map(_add_lead, {
         (path, s.device): s.data for path in requests
         for s in self._arrays[path].addressable_shards})
     for (path, device), x in lifted.items():
-      out.setdefault(path, {})[device] = x
+      out[path][device] = x
     return out
 
   def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
@@ -157,3 +159,25 @@ class SpanningSource:
           request.shape, sharding,
           [by_device[d] for d in sharding.mesh.devices.flat if _mine(d)], dtype=request.dtype)
     return out
+
+
+def processes_without_pieces(classes: list[tuple[Any, Mesh]], t_min: int) -> dict[int, str]:
+  """Processes that would hold no piece of some logical array (``process -> leaf name``).
+
+  orbax's collective save needs every process to hold a piece of every
+  array; a process whose devices are all past the first ``k`` slots of
+  their replicas (a TP group over several processes, ``k`` small) holds
+  none. The same answer in every process: it depends on the plan only.
+  """
+  rows = [list(row) for _, mesh in classes for row in mesh.devices]
+  processes = {d.process_index for row in rows for d in row}
+  leaves, _, _ = leaves_of(classes[0][0])
+  missing: dict[int, str] = {}
+  for leaf in leaves:
+    if leaf.layout is None:
+      continue
+    k = job_pieces(leaf, t_min)
+    holders = {d.process_index for row in rows for d in row[:k]}
+    for process in sorted(processes - holders):
+      missing.setdefault(process, leaf.name)
+  return missing

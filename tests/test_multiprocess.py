@@ -1,0 +1,147 @@
+"""Multi-process jobs (jax.distributed on 127.0.0.1, gloo): the same losses as one process,
+a lost process stops the others, and a restart on fewer devices resumes.
+
+Every process started here runs under a timeout and is killed by id at the end.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from ntp_jax.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from ntp_jax.launch import free_port
+from ntp_jax.metrics import read_metrics
+from ntp_jax.trainer import train
+from tests.test_train import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLAN = ["--config.mesh.dp=2", "--config.mesh.tp=4", "--config.ntp.failed=1:2"]
+STEPS = 4
+
+
+def _env(**extra):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # train.py gives each process mesh.dp * mesh.tp / processes
+  env.update(extra)
+  return env
+
+
+def _train_args(workdir, *extra):
+  return [sys.executable, "train.py", "--config", "configs/gpt_tiny.py", *PLAN,
+          f"--config.workdir={workdir}", "--config.train.plot=False",
+          "--config.train.eval_every=0", "--config.data.max_corpus_bytes=300000",
+          "--config.train.log_every=1", *extra]
+
+
+def _launch(processes, workdir, *extra, timeout=420):
+  command = [sys.executable, "-m", "ntp_jax.launch", f"--processes={processes}", "--",
+             *_train_args(workdir, *extra)]
+  return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                        env=_env())
+
+
+def _losses(workdir):
+  return [r["loss"] for r in read_metrics(os.path.join(workdir, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def single_process_losses(tmp_path_factory):
+  """The same plan in this one process (8 devices)."""
+  config = tiny_config(tmp_path_factory.mktemp("single"),
+                       **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2", "train.steps": STEPS})
+  return train(config, log=lambda *_: None)["losses"]
+
+
+def test_two_processes_of_four_devices_equal_one_process(tmp_path, single_process_losses):
+  done = _launch(2, tmp_path, f"--config.train.steps={STEPS}", "--config.checkpoint.every=2")
+  assert done.returncode == 0, done.stdout[-3000:]
+  # Output is prefixed per process; only process 0 writes metrics and speaks for the job.
+  assert "[1] process 1 of 2: 4 local devices, replicas [1]" in done.stdout
+  assert f"[0] step {STEPS - 1}/{STEPS}" in done.stdout
+  assert f"[1] step {STEPS - 1}/{STEPS}" not in done.stdout
+  np.testing.assert_allclose(_losses(tmp_path), single_process_losses, rtol=1e-6)
+  # The checkpoint both processes wrote holds the whole logical state.
+  assert os.path.isdir(tmp_path / "checkpoints" / str(STEPS))
+
+
+def test_four_processes_of_two_devices_equal_one_process(tmp_path, single_process_losses):
+  """Each TP group spans two processes (one scale-up domain of two hosts)."""
+  done = _launch(4, tmp_path, f"--config.train.steps={STEPS}", "--config.checkpoint.every=0",
+                 "--config.distributed.processes_per_domain=2")
+  assert done.returncode == 0, done.stdout[-3000:]
+  np.testing.assert_allclose(_losses(tmp_path), single_process_losses, rtol=1e-6)
+
+
+def test_tp_group_across_hosts_needs_processes_per_domain(tmp_path):
+  done = _launch(4, tmp_path, "--config.train.steps=1", "--config.checkpoint.every=0",
+                 timeout=180)
+  assert done.returncode == 2
+  assert "error: mesh.tp: replica 0's 4 slots would span scale-up domains [0, 1]" in done.stdout
+  assert "set distributed.processes_per_domain to 2" in done.stdout
+
+
+def _start(process_id, workdir, port, *extra):
+  env = _env(**{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: "2",
+                ENV_PROCESS_ID: str(process_id), "PYTHONUNBUFFERED": "1"})
+  log = open(os.path.join(workdir, f"process{process_id}.log"), "w")
+  return subprocess.Popen(_train_args(workdir, *extra), cwd=ROOT, env=env, stdout=log,
+                          stderr=subprocess.STDOUT, start_new_session=True), log
+
+
+def _stop(process):
+  if process.poll() is None:
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def test_lost_process_stops_the_survivor_and_a_smaller_restart_resumes(tmp_path):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  timeout_s = 4
+  extra = ["--config.train.steps=400", "--config.checkpoint.every=2",
+           f"--config.distributed.heartbeat_timeout_s={timeout_s}"]
+  port = free_port()
+  (p0, log0), (p1, log1) = (_start(i, workdir, port, *extra) for i in range(2))
+  try:
+    checkpoint = workdir / "checkpoints" / "4"
+    deadline = time.monotonic() + 300
+    while not (checkpoint / "_CHECKPOINT_METADATA").exists():
+      assert p0.poll() is None and p1.poll() is None, (workdir / "process0.log").read_text()
+      assert time.monotonic() < deadline, "no checkpoint of step 4 in 300 s"
+      time.sleep(0.2)
+    os.kill(p1.pid, signal.SIGKILL)  # process 1 dies in the middle of training
+    killed = time.monotonic()
+    status = p0.wait(timeout=60)
+    stopped_in = time.monotonic() - killed
+  finally:
+    for process, log in ((p0, log0), (p1, log1)):
+      _stop(process)
+      log.close()
+  output = (workdir / "process0.log").read_text()
+  assert status != 0
+  assert "error: lost process 1 of 2" in output, output[-2000:]
+  assert stopped_in < 3 * timeout_s + 5, stopped_in
+
+  # A restart on process 0's four devices alone: one replica, the checkpoint resharded onto it.
+  latest = max(int(p) for p in os.listdir(workdir / "checkpoints") if p.isdigit())
+  reference = tmp_path / "reference"
+  shutil.copytree(workdir / "checkpoints", reference / "checkpoints")
+  smaller = ["--config.mesh.dp=1", "--config.ntp.failed=", f"--config.train.steps={latest + 2}"]
+  resumed = subprocess.run(_train_args(workdir, "--config.checkpoint.every=2", *smaller),
+                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resuming from step {latest}" in resumed.stdout
+  # The same resume from a copy of that checkpoint, in this process: the same losses.
+  config = tiny_config(reference, **{"mesh.dp": 1, "mesh.tp": 4, "train.steps": latest + 2,
+                                     "checkpoint.every": 2})
+  expected = train(config, log=lambda *_: None)["losses"]
+  records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  after = [r["loss"] for r in records if "loss" in r and r["step"] >= latest][-2:]
+  np.testing.assert_allclose(after, expected, rtol=1e-6)
