@@ -145,3 +145,14 @@ def test_lost_process_stops_the_survivor_and_a_smaller_restart_resumes(tmp_path)
   records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
   after = [r["loss"] for r in records if "loss" in r and r["step"] >= latest][-2:]
   np.testing.assert_allclose(after, expected, rtol=1e-6)
+
+
+def test_uneven_collectives_across_processes_equal_numpy():
+  """All-gather and reduce-scatter of uneven float64 blocks over gloo, 30 repetitions."""
+  command = [sys.executable, "-m", "ntp_jax.launch", "--processes=2", "--devices-per-process=4",
+             "--", sys.executable, "tests/programs/gloo_collectives.py", "30"]
+  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                        env=_env())
+  assert done.returncode == 0, done.stdout[-3000:]
+  for i in range(2):
+    assert f"[{i}] process {i}: 30 repetitions equal numpy" in done.stdout
