@@ -3,9 +3,13 @@
   python bench/sync_bytes.py [--config configs/gpt_8b.py] [--out docs/sync_bytes.md]
 
 For each mix of TP degrees: the logical gradient size G, the bytes sent
-inside scale-up domains (phases 1 and 3, all replicas together) and the
-bytes sent across domains (phase 2, all core devices together), next to a
-uniform-TP DP all-reduce of the same gradient over the same replicas.
+inside scale-up domains (phases 1 and 3, all replicas together) with the
+sync positions the job chooses (``sync.regroup_plan``), with near-equal runs
+for every parameter, and for a nested core/extra regroup (every replica of
+degree t moves only its extra slots' share, ``2 (t - t_min) / t * G``, which
+needs nested layouts: see docs/sync.md); and the bytes sent across domains
+(phase 2, all core devices together), next to a uniform-TP DP all-reduce of
+the same gradient over the same replicas.
 """
 
 import argparse
@@ -17,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import emit, load_config  # noqa: E402
+from common import emit, load_config, progress  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
@@ -30,6 +34,7 @@ MIXES = [
     ("8 + 5", 8, 2, "1:1,1:2,1:4"),
     ("8 + 7 + 6", 8, 3, "1:5,2:0,2:7"),
     ("72 + 70", 72, 2, "1:5,1:40"),
+    ("7 x 8 + 7", 8, 8, "7:3"),
 ]
 
 
@@ -43,9 +48,10 @@ def main():
   itemsize = 2 if cfg.param_dtype == "bfloat16" else 4
   lines = [f"`python bench/sync_bytes.py --config {args.config}` (gradients in "
            f"{cfg.param_dtype}, {itemsize} bytes per element)", "",
-           "| TP degrees | G (GB) | inside domains (GB) | across domains (GB) "
-           "| uniform DP all-reduce across domains (GB) |", "|---|---|---|---|---|"]
-  for name, tp, dp, failed in MIXES:
+           "| TP degrees | G (GB) | inside domains (GB) | near-equal runs only (GB) "
+           "| nested regroup (GB) | across domains (GB) "
+           "| uniform DP all-reduce across domains (GB) |", "|---|---|---|---|---|---|---|"]
+  for name, tp, dp, failed in progress(MIXES, "mixes"):
     model = cfg
     if tp > 8:  # a 72-slot domain: finer MLP units so every slot holds some columns
       model = dataclasses.replace(cfg, ffn_granularity=64)
@@ -54,9 +60,13 @@ def main():
     states = [abstract_params(lambda c=c, model=model: GPT(model, c.layouts, rngs=nnx.Rngs(0)))
               for c in plan.classes]
     traffic = sync_traffic(plan, states, itemsize)
+    equal_runs = sync_traffic(plan, states, itemsize, regroups={})
     live = len(plan.replicas)
-    uniform = 2 * (live - 1) / live * traffic["logical"] * live
-    lines.append(f"| {name} | {traffic['logical'] / 1e9:.2f} | {traffic['intra_domain'] / 1e9:.2f} "
+    g = traffic["logical"]
+    nested = sum(2 * (r.degree - plan.t_min) / r.degree * g for r in plan.replicas)
+    uniform = 2 * (live - 1) / live * g * live
+    lines.append(f"| {name} | {g / 1e9:.2f} | {traffic['intra_domain'] / 1e9:.2f} "
+                 f"| {equal_runs['intra_domain'] / 1e9:.2f} | {nested / 1e9:.2f} "
                  f"| {traffic['cross_replica'] / 1e9:.2f} | {uniform / 1e9:.2f} |")
   emit(lines, args.out)
 

@@ -30,6 +30,7 @@ from ntp_jax.model_spec import default_loss
 from ntp_jax.optim import clip_by_logical_norm, logical_norm
 from ntp_jax.placement import LogicalSource, place_logical, read_logical
 from ntp_jax.plan import Plan, ReplicaClass
+from ntp_jax.regroup import Regroup
 from ntp_jax.shard import (
   replica_specs,
   restack_local,
@@ -43,6 +44,7 @@ from ntp_jax.sync import (
   CrossClassSync,
   from_sync_blocks,
   pack_buffers,
+  regroup_plan,
   sync_block_sizes,
   synced_loss,
   to_sync_blocks,
@@ -204,7 +206,8 @@ def make_fused_step(program: ClassProgram, optimizer: optax.GradientTransformati
 
 
 def make_split_step(program: ClassProgram, optimizer: optax.GradientTransformation,
-                    clip_norm: float, global_tokens: int, t_min: int):
+                    clip_norm: float, global_tokens: int, t_min: int,
+                    regroups: dict[str, Regroup] | None = None):
   """Several classes: the gradient half (to flat sync buffers) and the update half (from them).
 
   ``grad(params, batch) -> buffers``: ``dtype -> [replicas, degree, L]``
@@ -212,7 +215,9 @@ def make_split_step(program: ClassProgram, optimizer: optax.GradientTransformati
   buffer per dtype, the replica's loss share last in the ``float32`` one.
   ``update(params, opt_state, buffers) -> (params, opt_state, metrics)``
   after ``sync.CrossClassSync``; ``metrics`` holds the job's ``loss`` and
-  ``grad_norm``, replicated over the class mesh.
+  ``grad_norm``, replicated over the class mesh. ``regroups``: the sync
+  positions of each split parameter, the same for every class
+  (``sync.regroup_plan``; default near-equal runs).
   """
   specs = replica_specs(program.params)
   degree = program.replica_class.degree
@@ -220,7 +225,7 @@ def make_split_step(program: ClassProgram, optimizer: optax.GradientTransformati
 
   def grad_body(params_local, batch):
     loss, grads = _local_grads(graphdef, params_local, batch, global_tokens, program.loss)
-    buffers = pack_buffers(to_sync_blocks(grads, degree, t_min), loss)
+    buffers = pack_buffers(to_sync_blocks(grads, degree, t_min, regroups), loss)
     # Every slot's buffer is its own: stack them over 'dp' and 'tp'.
     return {k: v[None] for k, v in buffers.items()}
 
@@ -233,8 +238,8 @@ def make_split_step(program: ClassProgram, optimizer: optax.GradientTransformati
   def restore_body(buffers, params_local):
     template = unstack_local(params_local)
     local = unpack_buffers({k: v[0] for k, v in buffers.items()},
-                           sync_block_sizes(template, degree, t_min))
-    return restack_local(from_sync_blocks(local, template, degree, t_min))
+                           sync_block_sizes(template, degree, t_min, regroups))
+    return restack_local(from_sync_blocks(local, template, degree, t_min, regroups))
 
   restore = jax.shard_map(restore_body, mesh=program.mesh, in_specs=(block_specs, specs),
                           out_specs=specs)
@@ -352,6 +357,10 @@ def attach_steps(plan: Plan, programs: list[ClassProgram],
                  global_tokens: int, cache: ProgramCache) -> None:
   """Attach the step functions of every class (fused with one class, split with several)."""
   t_min = min(c.degree for c in plan.classes)
+  regroups = None
+  if len(programs) > 1:  # where each element is synced: chosen once, for every class
+    regroups = regroup_plan([(jax.eval_shape(unstack_local, p.params), p.replicas)
+                             for p in programs], t_min)
   for program in programs:
     if not is_local(program.mesh):
       continue  # another process's class: never called here
@@ -364,8 +373,9 @@ def attach_steps(plan: Plan, programs: list[ClassProgram],
       program.step = cache.get(key, what, lambda p=program: make_fused_step(
           p, optimizer, clip_norm, global_tokens))
     else:
+      key += (tuple(sorted(regroups.items())),)
       program.grad, program.update = cache.get(key, what, lambda p=program: make_split_step(
-          p, optimizer, clip_norm, global_tokens, t_min))
+          p, optimizer, clip_norm, global_tokens, t_min, regroups))
 
 
 def logical_state(programs: list[ClassProgram]) -> dict:

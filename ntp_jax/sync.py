@@ -43,10 +43,10 @@ from ntp_jax.collectives import (
   reshard_uneven,
   slot_position,
   tp_sum,
-  transfer_schedule,
 )
 from ntp_jax.layers.params import TPParam
 from ntp_jax.layout import Layout, apportion, owner_layout
+from ntp_jax.regroup import Regroup, choose_regroup, equal_regroup
 
 REPLICA = "replica"  # axis of the sync mesh: every live replica
 PEER = "peer"  # axis of the sync mesh: core slot position (peer group)
@@ -91,17 +91,35 @@ def _flat_layout(numel: int, degree: int, t_min: int) -> Layout:
                             units=(numel,) + (0,) * (degree - 1)), t_min)
 
 
-def to_sync_blocks(grads: nnx.State, degree: int, t_min: int) -> dict:
+def regroup_of(regroups: dict | None, key: str, src: Layout, t_min: int) -> Regroup:
+  """The parameter's ``Regroup`` (``regroups[key]``), or near-equal runs when not given."""
+  if regroups is not None and key in regroups:
+    return regroups[key]
+  return equal_regroup(src.size, t_min)
+
+
+def _by_slot(values) -> jax.Array:
+  return jnp.asarray(values, jnp.int32)[slot_position()]
+
+
+def _masked(x: jax.Array, length: jax.Array) -> jax.Array:
+  return jnp.where(jnp.arange(x.shape[0]) < length, x, jnp.zeros((), x.dtype))
+
+
+def to_sync_blocks(grads: nnx.State, degree: int, t_min: int,
+                   regroups: dict[str, Regroup] | None = None) -> dict:
   """Inside a class ``shard_map`` body: local gradients -> local sync blocks.
 
   Args:
     grads: this device's gradients (``TPParam`` blocks ``[1, ...]``, replicated
       variables whole).
     degree: the class's TP degree. t_min: the job's smallest TP degree.
+    regroups: ``path -> regroup.Regroup`` of each split parameter, the same
+      for every class (``regroup_plan``); default near-equal runs.
 
   Returns:
     Flat dict ``path -> [1, sync block]`` (a leading slot axis of length 1):
-    each parameter's run of its flattened sync layout.
+    each parameter's core run then extra run at this position.
   """
   out = {}
   for path, v in nnx.to_flat_state(grads):
@@ -112,7 +130,16 @@ def to_sync_blocks(grads: nnx.State, degree: int, t_min: int) -> dict:
       # Split axis first, then flatten: the slot's elements are one contiguous run.
       run = jnp.moveaxis(value[0], v.tp_axis, 0).reshape(-1)
       src = flat_layout(v.tp_layout, run.size // v.tp_layout.block)
-      out[key] = reshard_uneven(run, src, sync_layout(src, t_min), 0)[None]
+      regroup = regroup_of(regroups, key, src, t_min)
+      (core_src, extra_src), (core_dst, extra_dst) = regroup.pieces(src), regroup.positions(src)
+      core = _masked(run[:core_src.block], _by_slot(core_src.sizes))
+      parts = [reshard_uneven(core, core_src, core_dst, 0)]
+      if extra_src is not None:  # this slot's extra piece starts right after its core piece
+        padded = jnp.pad(run, (0, extra_src.block))
+        extra = jax.lax.dynamic_slice_in_dim(padded, _by_slot(core_src.sizes), extra_src.block)
+        parts.append(reshard_uneven(_masked(extra, _by_slot(extra_src.sizes)), extra_src,
+                                    extra_dst, 0))
+      out[key] = jnp.concatenate(parts)[None]
     else:
       flat = _flat_layout(value.size, degree, t_min)
       padded = jnp.pad(value.reshape(-1), (0, flat.block))
@@ -124,21 +151,33 @@ def to_sync_blocks(grads: nnx.State, degree: int, t_min: int) -> dict:
   return out
 
 
-def from_sync_blocks(blocks: dict, template: nnx.State, degree: int, t_min: int) -> nnx.State:
+def from_sync_blocks(blocks: dict, template: nnx.State, degree: int, t_min: int,
+                     regroups: dict[str, Regroup] | None = None) -> nnx.State:
   """Inside a class ``shard_map`` body: synced local blocks -> gradients in the class layout.
 
-  ``template`` is the local (unstacked) parameter state; replicated
-  variables come back identical on every slot (a masked all-reduce).
+  ``template`` is the local (unstacked) parameter state; ``regroups`` as for
+  ``to_sync_blocks``. Replicated variables come back identical on every slot
+  (a masked all-reduce).
   """
   restored = []
   for path, v in nnx.to_flat_state(template):
-    block = blocks[path_key(path)]
+    key = path_key(path)
+    block = blocks[key]
     if isinstance(v, TPParam):
       local_shape = v.get_value().shape[1:]
       moved_shape = (local_shape[v.tp_axis],) + tuple(
           n for i, n in enumerate(local_shape) if i != v.tp_axis)
       src = flat_layout(v.tp_layout, int(np.prod(moved_shape[1:])))
-      run = reshard_uneven(block[0], sync_layout(src, t_min), src, 0)
+      regroup = regroup_of(regroups, key, src, t_min)
+      (core_src, extra_src), (core_dst, extra_dst) = regroup.pieces(src), regroup.positions(src)
+      core = reshard_uneven(block[0, :regroup.core_block], core_dst, core_src, 0)
+      run = jnp.pad(core, (0, src.block - core_src.block))
+      if extra_src is not None:  # put the extra piece back right after the core piece
+        extra = reshard_uneven(block[0, regroup.core_block:], extra_dst, extra_src, 0)
+        room = jnp.zeros((src.block + extra_src.block,), extra.dtype)
+        shifted = jax.lax.dynamic_update_slice_in_dim(room, extra, _by_slot(core_src.sizes), 0)
+        run = jnp.where(jnp.arange(src.block) < _by_slot(core_src.sizes), run,
+                        shifted[:src.block])
       value = jnp.moveaxis(run.reshape(moved_shape), 0, v.tp_axis)[None]
       value = copy_shared_from_last(value, v.tp_layout, 1 + v.tp_axis)
     else:
@@ -161,7 +200,8 @@ def path_key(path: tuple) -> str:
 LOSS_DTYPE = "float32"  # the buffer that also carries the replica's loss (its last element)
 
 
-def sync_block_sizes(template: nnx.State, degree: int, t_min: int) -> list[tuple[str, str, int]]:
+def sync_block_sizes(template: nnx.State, degree: int, t_min: int,
+                     regroups: dict[str, Regroup] | None = None) -> list[tuple[str, str, int]]:
   """``(path, dtype, length)`` of every parameter's sync block, in ``to_sync_blocks`` order.
 
   ``template`` is the local (unstacked) parameter state of a class.
@@ -171,11 +211,29 @@ def sync_block_sizes(template: nnx.State, degree: int, t_min: int) -> list[tuple
     value = v.get_value()
     if isinstance(v, TPParam):
       other = int(np.prod(value.shape[1:])) // v.tp_layout.block
-      length = sync_layout(flat_layout(v.tp_layout, other), t_min).block
+      src = flat_layout(v.tp_layout, other)
+      length = regroup_of(regroups, path_key(path), src, t_min).block
     else:
       length = _flat_layout(int(np.prod(value.shape)), degree, t_min).block
     sizes.append((path_key(path), jnp.dtype(value.dtype).name, length))
   return sizes
+
+
+def regroup_plan(class_params: list[tuple[nnx.State, int]], t_min: int) -> dict[str, Regroup]:
+  """``path -> Regroup`` of every split parameter, chosen over all classes (``choose_regroup``).
+
+  Args:
+    class_params: each class's local (unstacked) parameter state (shapes
+      suffice) and its number of replicas.
+  """
+  sources: dict[str, list[tuple[Layout, int]]] = {}
+  for state, replicas in class_params:
+    for path, v in nnx.to_flat_state(state):
+      if isinstance(v, TPParam):
+        other = int(np.prod(v.get_value().shape[1:])) // v.tp_layout.block
+        sources.setdefault(path_key(path), []).append(
+            (flat_layout(v.tp_layout, other), replicas))
+  return {key: choose_regroup(layouts, t_min) for key, layouts in sources.items()}
 
 
 def pack_buffers(blocks: dict, loss: jax.Array) -> dict[str, jax.Array]:
@@ -279,13 +337,16 @@ class CrossClassSync:
     return out
 
 
-def sync_traffic(plan, abstract_params_by_class: list[nnx.State], itemsize: int = 4) -> dict:
+def sync_traffic(plan, abstract_params_by_class: list[nnx.State], itemsize: int = 4,
+                 regroups: dict[str, Regroup] | None = None) -> dict:
   """Bytes one gradient sync moves, per step, by phase (see the module docstring).
 
   Args:
     plan: the job's ``Plan`` (several classes).
     abstract_params_by_class: each class's unstacked parameter state (shapes only).
     itemsize: bytes per gradient element.
+    regroups: the sync positions (default: ``regroup_plan`` of the plan, as the job uses;
+      ``{}`` for near-equal runs everywhere).
 
   Returns:
     ``intra_domain``: bytes sent between devices of one scale-up domain,
@@ -295,15 +356,17 @@ def sync_traffic(plan, abstract_params_by_class: list[nnx.State], itemsize: int 
   """
   t_min = min(c.degree for c in plan.classes)
   live = len(plan.replicas)
+  if regroups is None:
+    regroups = regroup_plan([(state, len(c.replicas)) for c, state in
+                             zip(plan.classes, abstract_params_by_class)], t_min)
   intra = cross = logical = 0
   for c, state in zip(plan.classes, abstract_params_by_class):
-    for _, v in nnx.to_flat_state(state):
+    for path, v in nnx.to_flat_state(state):
       shape = v.get_value().shape
       if isinstance(v, TPParam):
         src = flat_layout(v.tp_layout, int(np.prod(shape[1:])) // v.tp_layout.block)
-        dst = sync_layout(src, t_min)
-        moved = sum(int(t["send_len"].sum()) for t in transfer_schedule(src, dst) if t["shift"])
-        intra += 2 * moved * itemsize * len(c.replicas)  # there and back
+        dst = regroup_of(regroups, path_key(path), src, t_min)
+        intra += 2 * dst.moved(src) * itemsize * len(c.replicas)  # there and back
         # Shared units come back to every slot by an all-reduce over the domain.
         shared = v.tp_layout.shared_units * src.unit_size
         intra += int(2 * (c.degree - 1) * shared * itemsize) * len(c.replicas)

@@ -27,13 +27,16 @@ def test_2x4_matches_single_device_for_10_steps(single_device, failed):
     assert_trees_close(replica_params, single_device[2][0], rtol=1e-5, atol=1e-6)
 
 
-def test_every_replica_has_identical_gradients_after_sync():
+@pytest.mark.parametrize("failed,degrees", [("1:0,1:3", [4, 2]), ("1:2", [4, 3])],
+                         ids=["near-equal-runs", "nested-attention"])
+def test_every_replica_has_identical_gradients_after_sync(failed, degrees):
   # With SGD at lr 1 and no clipping, params_before - params_after is the synced gradient.
+  # 4 + 3 syncs attention through the nested regroup (sync.regroup_plan), 4 + 2 does not.
   sgd = optax.sgd(1.0)
   _, _, before, _ = run_job(tp=1, dp=1, steps=0, optimizer=sgd, clip_norm=0)
   _, _, dense_after, _ = run_job(tp=1, dp=1, steps=1, optimizer=sgd, clip_norm=0)
-  _, plan, after, _ = run_job(tp=4, dp=2, failed="1:0,1:3", steps=1, optimizer=sgd, clip_norm=0)
-  assert [r.degree for r in plan.replicas] == [4, 2]
+  _, plan, after, _ = run_job(tp=4, dp=2, failed=failed, steps=1, optimizer=sgd, clip_norm=0)
+  assert [r.degree for r in plan.replicas] == degrees
   dense_grad = _minus(before[0], dense_after[0])
   for replica_after in after:
     assert_trees_close(_minus(before[0], replica_after), dense_grad, rtol=1e-4, atol=1e-6)

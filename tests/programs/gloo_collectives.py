@@ -57,13 +57,13 @@ def blocks(rep: int) -> np.ndarray:
 for rep in range(REPS):
   padded = blocks(rep)
   logical = np.concatenate([padded[s, :n] for s, n in enumerate(layout.sizes)])
-  gathered = gather(jax.make_array_from_callback(padded.shape, rows, lambda i: padded[i]))
+  gathered = gather(jax.make_array_from_callback(padded.shape, rows, lambda i, x=padded: x[i]))
   for shard in gathered.addressable_shards:
     np.testing.assert_array_equal(np.asarray(shard.data)[0], logical)
 
   partial = np.stack([np.sin(np.arange(layout.size) + s + rep) * (s + 1) for s in range(8)])
   total = partial.sum(axis=0)
-  scattered = scatter(jax.make_array_from_callback(partial.shape, rows, lambda i: partial[i]))
+  scattered = scatter(jax.make_array_from_callback(partial.shape, rows, lambda i, x=partial: x[i]))
   for shard in scattered.addressable_shards:
     s = shard.index[0].start
     expected = np.zeros(layout.block)
