@@ -2,29 +2,33 @@
 
 Replicas of one class share a layout, replicas of different classes do not,
 so their gradient blocks cannot be all-reduced slot by slot. The sync goes
-through a *sync layout* shared by every replica: each parameter, flattened
-with its split axis first, is cut into ``t_min`` contiguous runs of
-near-equal length (``t_min`` = the smallest TP degree in the job; at most one
-padded element per run), held by the first ``t_min`` live slots of every
-replica (the *core* slots). Three phases per step:
+through sync positions shared by every replica: each parameter, flattened
+with its split axis first, is laid out over ``t_min`` near-equal runs held
+by the first ``t_min`` live slots of every replica (the *core* slots;
+``t_min`` = the smallest TP degree in the job); which elements sit where is
+the parameter's ``regroup.Regroup`` (near-equal contiguous runs, or nested
+on a wider replica's layout), chosen once for the plan (``regroup_plan``).
+Three phases per step:
 
 1. inside each scale-up domain, every replica moves its gradient blocks from
-   its own layout to the sync layout (``collectives.reshard_uneven``: only
-   the elements that change device move; replicated parameters are cut
-   locally, nothing moves);
+   its own layout to the sync positions (``collectives.reshard_uneven``:
+   only the elements that change device move; replicated parameters are
+   cut locally) and packs them into one flat buffer per dtype and device,
+   its loss share last (``pack_buffers``);
 2. across domains, each *peer group* (core slot ``j`` of every live replica)
-   all-reduces its equal-size buffers: one program over a ``('replica',
-   'peer')`` mesh of the core devices, assembled from the class programs'
-   per-device buffers without copies;
-3. inside each domain, the synced blocks move back to the replica's layout
-   (replicated parameters are re-assembled by a masked all-reduce).
+   all-reduces its buffers: one program over a ``('replica', 'peer')`` mesh
+   of the core devices, assembled from the class programs' per-device
+   buffers without copies, each process handing over its own devices';
+3. inside each domain, the synced buffers are unpacked and moved back to
+   the replica's layout (replicated parameters and shared units are
+   re-assembled by a masked all-reduce).
 
 Bytes per step (``G`` = logical gradient bytes, ``R`` live replicas): across
 domains, each peer group all-reduces ``G / t_min`` (a ring sends
 ``2 (R-1)/R * G / t_min`` per core device), the same total per replica as a
-uniform DP all-reduce of ``G``; inside a domain of degree ``t``, phases 1 and
-3 send at most ``G / t`` per device each way (``sync_traffic`` counts them;
-figures in ``docs/sync.md``).
+uniform DP all-reduce of ``G``; inside domains, ``sync_traffic`` counts what
+the regroups move (figures and the comparison with a nested regroup in
+``docs/sync.md``).
 Source: Arfeen et al., arXiv:2504.06095, Sec. 4.2 (gradient sync between
 replicas of different TP degree), in our own formulation.
 """

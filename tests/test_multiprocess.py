@@ -53,9 +53,9 @@ def _losses(workdir):
 
 @pytest.fixture(scope="module")
 def single_process_losses(tmp_path_factory):
-  """The same plan in this one process (8 devices)."""
-  config = tiny_config(tmp_path_factory.mktemp("single"),
-                       **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2", "train.steps": STEPS})
+  """The same plan in this one process (8 devices), STEPS + 2 steps."""
+  config = tiny_config(tmp_path_factory.mktemp("single"), **{
+      "mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2", "train.steps": STEPS + 2})
   return train(config, log=lambda *_: None)["losses"]
 
 
@@ -66,9 +66,13 @@ def test_two_processes_of_four_devices_equal_one_process(tmp_path, single_proces
   assert "[1] process 1 of 2: 4 local devices, replicas [1]" in done.stdout
   assert f"[0] step {STEPS - 1}/{STEPS}" in done.stdout
   assert f"[1] step {STEPS - 1}/{STEPS}" not in done.stdout
-  np.testing.assert_allclose(_losses(tmp_path), single_process_losses, rtol=1e-6)
-  # The checkpoint both processes wrote holds the whole logical state.
-  assert os.path.isdir(tmp_path / "checkpoints" / str(STEPS))
+  np.testing.assert_allclose(_losses(tmp_path), single_process_losses[:STEPS], rtol=1e-6)
+  # Both processes wrote the checkpoint and both read it back: the run goes on as one would.
+  resumed = _launch(2, tmp_path, f"--config.train.steps={STEPS + 2}",
+                    "--config.checkpoint.every=2")
+  assert resumed.returncode == 0, resumed.stdout[-3000:]
+  assert f"[0] resuming from step {STEPS}" in resumed.stdout
+  np.testing.assert_allclose(_losses(tmp_path), single_process_losses[STEPS:], rtol=1e-6)
 
 
 def test_four_processes_of_two_devices_equal_one_process(tmp_path, single_process_losses):
@@ -76,7 +80,14 @@ def test_four_processes_of_two_devices_equal_one_process(tmp_path, single_proces
   done = _launch(4, tmp_path, f"--config.train.steps={STEPS}", "--config.checkpoint.every=0",
                  "--config.distributed.processes_per_domain=2")
   assert done.returncode == 0, done.stdout[-3000:]
-  np.testing.assert_allclose(_losses(tmp_path), single_process_losses, rtol=1e-6)
+  np.testing.assert_allclose(_losses(tmp_path), single_process_losses[:STEPS], rtol=1e-6)
+
+
+def test_checkpoints_refused_where_a_process_would_hold_no_piece(tmp_path):
+  done = _launch(4, tmp_path, "--config.train.steps=1", "--config.checkpoint.every=1",
+                 "--config.distributed.processes_per_domain=2", timeout=180)
+  assert done.returncode == 2, done.stdout[-3000:]
+  assert "error: checkpoint.every: process 1 would hold no piece of" in done.stdout
 
 
 def test_tp_group_across_hosts_needs_processes_per_domain(tmp_path):
