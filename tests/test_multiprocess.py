@@ -4,6 +4,7 @@ a lost process stops the others, and a restart on fewer devices resumes.
 Every process started here runs under a timeout and is killed by id at the end.
 """
 
+import collections
 import json
 import os
 import shutil
@@ -15,13 +16,21 @@ import time
 import numpy as np
 import pytest
 
-from ntp_jax.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from ntp_jax.distributed import (
+  ENV_COORDINATOR,
+  ENV_NUM_PROCESSES,
+  ENV_PROCESS_ID,
+  check_domains,
+  settings_from_config,
+)
+from ntp_jax.errors import ConfigError
 from ntp_jax.launch import free_port
 from ntp_jax.metrics import read_metrics
 from ntp_jax.trainer import train
 from tests.test_train import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FakeDevice = collections.namedtuple("FakeDevice", "id process_index")
 PLAN = ["--config.mesh.dp=2", "--config.mesh.tp=4", "--config.ntp.failed=1:2"]
 STEPS = 4
 
@@ -90,12 +99,13 @@ def test_checkpoints_refused_where_a_process_would_hold_no_piece(tmp_path):
   assert "error: checkpoint.every: process 1 would hold no piece of" in done.stdout
 
 
-def test_tp_group_across_hosts_needs_processes_per_domain(tmp_path):
-  done = _launch(4, tmp_path, "--config.train.steps=1", "--config.checkpoint.every=0",
-                 timeout=180)
-  assert done.returncode == 2
-  assert "error: mesh.tp: replica 0's 4 slots would span scale-up domains [0, 1]" in done.stdout
-  assert "set distributed.processes_per_domain to 2" in done.stdout
+def test_tp_group_across_hosts_needs_processes_per_domain():
+  """4 processes of 2 devices, TP 4: a group spans two processes, one domain only if said so."""
+  devices = [FakeDevice(id=i, process_index=i // 2) for i in range(8)]
+  check_domains(devices, tp=4, dp=2, processes_per_domain=2)
+  with pytest.raises(ConfigError, match=r"mesh.tp: replica 0's 4 slots would span scale-up "
+                     r"domains \[0, 1\] .* set distributed.processes_per_domain to 2"):
+    check_domains(devices, tp=4, dp=2, processes_per_domain=1)
 
 
 def _start(process_id, workdir, port, *extra):
@@ -167,3 +177,20 @@ def test_uneven_collectives_across_processes_equal_numpy():
   assert done.returncode == 0, done.stdout[-3000:]
   for i in range(2):
     assert f"[{i}] process {i}: 30 repetitions equal numpy" in done.stdout
+
+
+def test_settings_from_config_and_launcher_variables():
+  config = tiny_config("/tmp/unused")
+  assert settings_from_config(config, environ={}) is None  # one process
+  launched = settings_from_config(config, environ={ENV_COORDINATOR: "127.0.0.1:1234",
+                                                   ENV_NUM_PROCESSES: "2", ENV_PROCESS_ID: "1"})
+  assert (launched.coordinator, launched.num_processes, launched.process_id) == (
+      "127.0.0.1:1234", 2, 1)
+  slurm = settings_from_config(config, environ={"SLURM_NTASKS": "4"})
+  assert slurm.coordinator is None and slurm.num_processes is None  # jax.distributed detects
+  config.distributed.num_processes = 2
+  with pytest.raises(ConfigError, match="distributed.coordinator: required"):
+    settings_from_config(config, environ={})
+  config.distributed.coordinator = "127.0.0.1:1234"
+  with pytest.raises(ConfigError, match=r"distributed.process_id: must be in 0..1, got -1"):
+    settings_from_config(config, environ={})

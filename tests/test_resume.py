@@ -60,7 +60,8 @@ def test_resume_onto_a_reduced_replica_matches_the_uninterrupted_run(data_workdi
 
 
 def test_every_sequence_once_when_the_plan_loses_devices(data_workdir, tmp_path, monkeypatch):
-  """Proportional shares: 16 sequences per step, then 14 after a slot fails at the resume."""
+  """Proportional shares: 16 sequences per step, then 14 after a slot fails at the resume;
+  read replica by replica."""
   calls = []
   original = PackedDataset.sequences
 
@@ -73,7 +74,11 @@ def test_every_sequence_once_when_the_plan_loses_devices(data_workdir, tmp_path,
   mesh = {"mesh.dp": 2, "mesh.tp": 4}
   run(data_workdir, 5, tmp_path / "c", **mesh)
   run(data_workdir, 11, tmp_path / "c", **mesh, **{"ntp.failed": "0:1"})
-  assert [count for _, _, count in calls] == [16] * 5 + [14] * 6
+  # Each replica's rows are read by themselves (a process reads only its replicas' rows).
+  counts = [count for _, _, count in calls]
+  assert [a + b for a, b in zip(counts[::2], counts[1::2])] == [16] * 5 + [14] * 6
+  assert set(counts[10:]) == {8, 6}  # the replica at TP degree 3 takes 6 of 14
+  calls.sort(key=lambda call: call[1])
   ids = np.concatenate([d.sequence_ids(cursor, count) for d, cursor, count in calls])
   total = 5 * 16 + 6 * 14
   assert len(set(ids.tolist())) == len(ids) == total  # none skipped, none twice
