@@ -255,6 +255,38 @@ class Heartbeat:
     return self.lost
 
 
+class StopAgreement:
+  """A stop request (SIGTERM, Ctrl-C) that every process takes at the same step boundary.
+
+  The process that gets the signal publishes ``step + 2`` under
+  ``ntp_jax/stop`` in the coordination service (the first request wins);
+  every process reads it at each step boundary. The processes are never
+  more than one step apart (each step ends in a collective), so all of them
+  read the key before reaching that step, stop there and write the same
+  final checkpoint.
+  """
+
+  KEY = "ntp_jax/stop"
+
+  def __init__(self, client):
+    self.client = client
+    self._published = False
+
+  def due(self, step: int, received: str | None) -> str | None:
+    """The signal's name when the job stops before ``step``, else None."""
+    if received is not None and not self._published:
+      self._published = True
+      try:
+        self.client.key_value_set(self.KEY, f"{step + 2}:{received}")
+      except Exception:  # already set by another process: its step stands
+        pass
+    value = _try_get(self.client, self.KEY)
+    if value is None:
+      return None
+    at, name = value.split(":", 1)
+    return name if step >= int(at) else None
+
+
 def _try_get(client, key: str) -> str | None:
   try:
     return client.key_value_try_get(key)
@@ -276,6 +308,10 @@ class Job:
   num_processes: int = 1
   heartbeat: Heartbeat | None = None
   processes_per_domain: int = 1
+  client: object | None = None  # the coordination service's key-value client
+
+  def stop_agreement(self) -> StopAgreement | None:
+    return StopAgreement(self.client) if self.multi_process else None
 
   @property
   def primary(self) -> bool:
@@ -316,5 +352,5 @@ def join(config) -> Job:
     heartbeat = Heartbeat(jax_distributed.global_state.client, jax.process_index(),
                           jax.process_count(), settings.heartbeat_timeout_s).start()
   _JOINED = Job(jax.process_index(), jax.process_count(), heartbeat,
-                settings.processes_per_domain)
+                settings.processes_per_domain, jax_distributed.global_state.client)
   return _JOINED

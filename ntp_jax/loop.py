@@ -295,7 +295,7 @@ class TrainingRun:
         or by a step is handled as a failure inside that step.
     """
     pending = sorted(events)
-    while self.step < steps and stop.received is None:
+    while self.step < steps and not stop.due(self.step):
       due = [e for e in pending if e.step == self.step]
       if detector is not None:
         try:

@@ -5,6 +5,9 @@ writes a checkpoint and exits cleanly, so ``metrics.jsonl`` and the
 checkpoints are never left half written. A second SIGINT raises
 ``KeyboardInterrupt`` at once (for a user who does not want to wait for a
 long compilation); the trainer then stops without saving the step in flight.
+In a multi-process job the processes agree on the step to stop at
+(``distributed.StopAgreement``), so their last collective steps and the
+final checkpoint match.
 """
 
 from __future__ import annotations
@@ -23,9 +26,20 @@ class StopSignals:
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-  def __init__(self):
+  def __init__(self, agreement=None):
     self.received: str | None = None
+    self.agreement = agreement  # several processes: distributed.StopAgreement
     self._previous: dict[int, object] = {}
+
+  def due(self, step: int) -> bool:
+    """Stop before ``step``? In a multi-process job every process answers the same at
+    the same step (``distributed.StopAgreement``), whichever got the signal."""
+    if self.agreement is None:
+      return self.received is not None
+    name = self.agreement.due(step, self.received)
+    if name is not None and self.received is None:
+      self.received = f"{name} (another process)"
+    return name is not None
 
   def _handle(self, signum: int, frame: FrameType | None) -> None:
     if self.received is not None and signum == signal.SIGINT:

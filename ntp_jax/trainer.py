@@ -254,7 +254,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
     return {"losses": [], "plan": plan, "programs": [], "start_step": start_step,
             "interrupted": True, "checkpoint": None, "metrics_path": metrics_path}
 
-  with StopSignals() as stop:
+  with StopSignals(job.stop_agreement()) as stop:
     try:
       return _run(config, model, optimizer, plan, devices, checkpoints, start_step, cursor,
                   source, stop, log, events, failed, detector, dataset)

@@ -194,3 +194,31 @@ def test_settings_from_config_and_launcher_variables():
   config.distributed.coordinator = "127.0.0.1:1234"
   with pytest.raises(ConfigError, match=r"distributed.process_id: must be in 0..1, got -1"):
     settings_from_config(config, environ={})
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+  """Preemption reaches one process: both stop at one agreed step and write its checkpoint."""
+  extra = ["--config.train.steps=400", "--config.checkpoint.every=50"]
+  port = free_port()
+  (p0, log0), (p1, log1) = (_start(i, tmp_path, port, *extra) for i in range(2))
+  try:
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "metrics.jsonl").exists() or '"step": 2' not in (
+        tmp_path / "metrics.jsonl").read_text():
+      assert p0.poll() is None and p1.poll() is None, (tmp_path / "process0.log").read_text()
+      assert time.monotonic() < deadline, "no step 2 in 300 s"
+      time.sleep(0.2)
+    os.kill(p1.pid, signal.SIGTERM)
+    statuses = [p.wait(timeout=120) for p in (p0, p1)]
+  finally:
+    for process, log in ((p0, log0), (p1, log1)):
+      _stop(process)
+      log.close()
+  output = (tmp_path / "process0.log").read_text()
+  assert statuses == [0, 0], output[-3000:]
+  stopped = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")
+             if '"event": "stop"' in line]
+  assert len(stopped) == 1 and stopped[0]["signal"] == "SIGTERM (another process)"
+  step = stopped[0]["step"]
+  assert os.path.isdir(tmp_path / "checkpoints" / str(step))
+  assert f"interrupted at step {step}" in output
