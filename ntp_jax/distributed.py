@@ -33,8 +33,9 @@ from ntp_jax.errors import ConfigError
 ENV_COORDINATOR = "NTP_JAX_COORDINATOR"  # set by ntp_jax.launch for each process it starts
 ENV_NUM_PROCESSES = "NTP_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "NTP_JAX_PROCESS_ID"
-# Environments in which jax.distributed.initialize() finds its settings by itself.
-CLUSTER_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
+# Process counts of the launchers whose settings jax.distributed.initialize() detects by
+# itself: srun's job step (not sbatch's batch script) and Open MPI's mpirun.
+CLUSTER_PROCESS_COUNTS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")
 LOST_EXIT_CODE = 3  # a survivor's exit status when a peer process is lost
 
 
@@ -62,7 +63,8 @@ def settings_from_config(config, environ: dict[str, str] | None = None) -> Setti
   """The multi-process settings of ``config``, or None for a single-process run.
 
   Order: the config fields, then ``NTP_JAX_*`` (the local launcher), then a
-  cluster environment (``SLURM_NTASKS`` > 1, ...) left to JAX's detection.
+  cluster launcher's environment (``srun`` with ``SLURM_STEP_NUM_TASKS`` > 1,
+  ``mpirun``) left to JAX's detection.
 
   Raises:
     ConfigError: an incomplete or inconsistent setting, naming the field.
@@ -92,10 +94,14 @@ def settings_from_config(config, environ: dict[str, str] | None = None) -> Setti
     return Settings(coordinator, num, pid, timeout, per_domain)
   if num == 1:
     return None
-  if any(int(env.get(v, "1") or 1) > 1 if v != "JAX_COORDINATOR_ADDRESS" else v in env
-         for v in CLUSTER_VARIABLES):
+  if _cluster_processes(env) > 1:
     return Settings(None, None, None, timeout, per_domain)
   return None
+
+
+def _cluster_processes(env) -> int:
+  """Processes a cluster launcher started (1 when none did)."""
+  return max([int(env.get(v) or 1) for v in CLUSTER_PROCESS_COUNTS])
 
 
 def processes_in_config(config, environ: dict[str, str] | None = None) -> int:
@@ -105,8 +111,7 @@ def processes_in_config(config, environ: dict[str, str] | None = None) -> int:
     return 1
   if settings.num_processes is not None:
     return settings.num_processes
-  env = os.environ if environ is None else environ
-  return int(env.get("SLURM_NTASKS") or env.get("OMPI_COMM_WORLD_SIZE") or 1)
+  return _cluster_processes(os.environ if environ is None else environ)
 
 
 def initialize(settings: Settings) -> None:

@@ -62,10 +62,15 @@ def _losses(workdir):
 
 @pytest.fixture(scope="module")
 def single_process_losses(tmp_path_factory):
-  """The same plan in this one process (8 devices), STEPS + 2 steps."""
-  config = tiny_config(tmp_path_factory.mktemp("single"), **{
-      "mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2", "train.steps": STEPS + 2})
-  return train(config, log=lambda *_: None)["losses"]
+  """The same plan in this one process (8 devices): STEPS steps, then a resume to STEPS + 2
+  (the learning-rate schedule follows train.steps, so the resumed steps use the longer one)."""
+  workdir = tmp_path_factory.mktemp("single")
+  plan = {"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2", "checkpoint.every": 2}
+  first = train(tiny_config(workdir, **plan, **{"train.steps": STEPS}), log=lambda *_: None)
+  resumed = train(tiny_config(workdir, **plan, **{"train.steps": STEPS + 2}),
+                  log=lambda *_: None)
+  assert resumed["start_step"] == STEPS
+  return first["losses"] + resumed["losses"]
 
 
 def test_two_processes_of_four_devices_equal_one_process(tmp_path, single_process_losses):
@@ -81,7 +86,7 @@ def test_two_processes_of_four_devices_equal_one_process(tmp_path, single_proces
                     "--config.checkpoint.every=2")
   assert resumed.returncode == 0, resumed.stdout[-3000:]
   assert f"[0] resuming from step {STEPS}" in resumed.stdout
-  np.testing.assert_allclose(_losses(tmp_path), single_process_losses[STEPS:], rtol=1e-6)
+  np.testing.assert_allclose(_losses(tmp_path), single_process_losses, rtol=1e-6)
 
 
 def test_four_processes_of_two_devices_equal_one_process(tmp_path, single_process_losses):
@@ -186,7 +191,8 @@ def test_settings_from_config_and_launcher_variables():
                                                    ENV_NUM_PROCESSES: "2", ENV_PROCESS_ID: "1"})
   assert (launched.coordinator, launched.num_processes, launched.process_id) == (
       "127.0.0.1:1234", 2, 1)
-  slurm = settings_from_config(config, environ={"SLURM_NTASKS": "4"})
+  assert settings_from_config(config, environ={"SLURM_NTASKS": "4"}) is None  # sbatch's script
+  slurm = settings_from_config(config, environ={"SLURM_STEP_NUM_TASKS": "4"})  # under srun
   assert slurm.coordinator is None and slurm.num_processes is None  # jax.distributed detects
   config.distributed.num_processes = 2
   with pytest.raises(ConfigError, match="distributed.coordinator: required"):
