@@ -17,7 +17,7 @@ import numpy as np
 
 from ntp_jax.checkpoint import Checkpoints
 from ntp_jax.data import make_dataset
-from ntp_jax.distributed import Job, check_domains, join, ordered_devices
+from ntp_jax.distributed import check_domains, join, ordered_devices
 from ntp_jax.errors import ConfigError
 from ntp_jax.footprint import (
   ClassFootprint,
@@ -42,8 +42,8 @@ from ntp_jax.signals import StopSignals
 from ntp_jax.sync import sync_traffic
 
 
-def _quiet(log, job: Job):
-  """A logger for processes other than 0: only lines marked ``always``, with the index."""
+def _quiet(log):
+  """A logger for processes other than 0: only lines marked ``always``."""
   def quiet(line: str, always: bool = False) -> None:
     if always:
       log(line)
@@ -200,6 +200,11 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   hook for a real failure detector) change the plan while it runs
   (``ntp_jax.loop``).
 
+  In a multi-process job (``distributed.*``, ``python -m ntp_jax.launch``,
+  SLURM's ``srun``) every process calls this; ``jax.distributed`` starts
+  first (``distributed.join``), each process drives its own devices, and
+  process 0 logs and writes the metrics (``docs/multihost.md``).
+
   Raises:
     ConfigError, DataError: bad settings or input (one line naming the field);
       ``checkpoint.CheckpointError`` (a ``ConfigError``) for an unusable
@@ -207,7 +212,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   """
   job = join(config)  # several processes: jax.distributed first, before any computation
   # Process 0 speaks for the job; the others say only where they are.
-  log = _logger(log) if job.primary else _quiet(log, job)
+  log = _logger(log) if job.primary else _quiet(log)
   check_train_fields(config.train)
   check_checkpoint_fields(config)
   model = model or load_model_spec(config)

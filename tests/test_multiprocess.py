@@ -20,6 +20,8 @@ from ntp_jax.distributed import (
   ENV_COORDINATOR,
   ENV_NUM_PROCESSES,
   ENV_PROCESS_ID,
+  Heartbeat,
+  StopAgreement,
   check_domains,
   settings_from_config,
 )
@@ -228,3 +230,44 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
   step = stopped[0]["step"]
   assert os.path.isdir(tmp_path / "checkpoints" / str(step))
   assert f"interrupted at step {step}" in output
+
+
+class FakeKeyValueStore:
+  """The coordination service's key-value calls that the heartbeat makes, in memory."""
+
+  def __init__(self):
+    self.values = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    if key in self.values and not allow_overwrite:
+      raise RuntimeError(f"ALREADY_EXISTS: {key}")
+    self.values[key] = value
+
+  def key_value_try_get(self, key):
+    if key not in self.values:
+      raise RuntimeError(f"NOT_FOUND: {key}")
+    return self.values[key]
+
+
+def test_heartbeat_names_a_silent_peer_and_spares_a_finished_one():
+  store, lost = FakeKeyValueStore(), []
+  store.key_value_set("ntp_jax/done/2", "1")  # process 2 ended normally
+  beat = Heartbeat(store, 0, 3, timeout_s=0.3, on_lost=lost.append).start()
+  try:
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+      time.sleep(0.05)
+  finally:
+    beat.stop()
+  assert len(lost) == 1 and lost[0].startswith("lost process 1 of 3: no heartbeat for ")
+  assert "distributed.heartbeat_timeout_s=0.3" in lost[0]
+
+
+def test_stop_agreement_gives_every_process_the_same_step():
+  store = FakeKeyValueStore()
+  first, second = StopAgreement(store), StopAgreement(store)
+  assert first.due(5, None) is None
+  assert second.due(7, "SIGTERM") is None  # published: stop before step 9
+  assert first.due(8, None) is None and first.due(9, None) == "SIGTERM"
+  assert first.due(8, "SIGINT") is None  # a later request does not move the agreed step
+  assert second.due(9, "SIGTERM") == "SIGTERM"
