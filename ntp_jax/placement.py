@@ -183,7 +183,7 @@ class LogicalSource(Protocol):
   def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]: ...
 
 
-def _per_device(array: jax.Array) -> dict[jax.Device, jax.Array]:
+def per_device(array: jax.Array) -> dict[jax.Device, jax.Array]:
   return {s.device: s.data for s in array.addressable_shards}
 
 
@@ -280,9 +280,9 @@ def read_logical(state: Any, mesh: Mesh, replica: int = 0) -> dict[Path, jax.Arr
   leaves, nodes, moved = even_pieces_of(state, mesh)
   row = mesh.devices[replica]
   split = [leaf for leaf in leaves if leaf.layout is not None]
-  blocks = {leaf.path: _per_device(moved[leaf.path]) for leaf in split}
+  blocks = {leaf.path: per_device(moved[leaf.path]) for leaf in split}
   # Drop the [1, 1] lead of every piece: one dispatch per device, not one per piece.
-  pieces = per_device_map(_drop_lead, {
+  pieces = per_device_map(drop_lead, {
       (leaf.path, j): blocks[leaf.path][row[j]] for leaf in split for j in range(leaf.pieces)})
   out = {}
   for leaf, node in zip(leaves, nodes):
@@ -320,11 +320,11 @@ def _mapped(fn):
   return jax.jit(lambda xs: [fn(x) for x in xs])
 
 
-def _drop_lead(x: jax.Array) -> jax.Array:
+def drop_lead(x: jax.Array) -> jax.Array:
   return x[0, 0]
 
 
-def _add_lead(x: jax.Array) -> jax.Array:
+def add_lead(x: jax.Array) -> jax.Array:
   return x[None, None]
 
 
@@ -382,9 +382,9 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
 
   if split:
     lifted: dict[Path, dict[jax.Device, jax.Array]] = {}
-    for (path, device), x in per_device_map(_add_lead, {
+    for (path, device), x in per_device_map(add_lead, {
         (leaf.path, d): x for leaf in split if leaf.path not in blocks
-        for d, x in _per_device(arrays[leaf.path]).items()}).items():
+        for d, x in per_device(arrays[leaf.path]).items()}).items():
       lifted.setdefault(path, {})[device] = x
     inputs = []
     for leaf in split:

@@ -26,13 +26,13 @@ from ntp_jax.placement import (
   Leaf,
   LogicalSource,
   Path,
-  _add_lead,
-  _drop_lead,
-  _per_device,
+  add_lead,
   copy_of_replica,
+  drop_lead,
   even_pieces,
   even_pieces_of,
   leaves_of,
+  per_device,
   per_device_map,
 )
 
@@ -81,10 +81,11 @@ def read_logical_spanning(classes: list[tuple[Any, Mesh]], t_min: int) -> dict[P
     if any(_mine(d) for d in mesh.devices.flat):
       class_leaves, nodes, moved = even_pieces_of(
           state, mesh, k)
-      split_pieces = per_device_map(_drop_lead, {
-          (leaf.path, device): x for leaf in class_leaves if leaf.layout is not None
-          for device, x in _per_device(moved[leaf.path]).items()
-          if _mine(device) and _slot_of(mesh, device) < k[leaf.path]})
+      held = {leaf.path: per_device(moved[leaf.path]) for leaf in class_leaves
+              if leaf.layout is not None}
+      split_pieces = per_device_map(drop_lead, {
+          (path, device): by_device[device] for path, by_device in held.items()
+          for row in mesh.devices for device in row[:k[path]] if _mine(device)})
       for leaf, node in zip(class_leaves, nodes):
         for r, row in enumerate(mesh.devices):
           if leaf.layout is not None:
@@ -98,14 +99,6 @@ def read_logical_spanning(classes: list[tuple[Any, Mesh]], t_min: int) -> dict[P
   return {leaf.path: jax.make_array_from_single_device_arrays(
       leaf.shape, spanning_sharding(leaf, rows, k[leaf.path]), local[leaf.path],
       dtype=leaf.dtype) for leaf in leaves}
-
-
-def _slot_of(mesh: Mesh, device: jax.Device) -> int:
-  for row in mesh.devices:
-    for j, d in enumerate(row):
-      if d == device:
-        return j
-  raise KeyError(device)
 
 
 class SpanningSource:
@@ -142,7 +135,7 @@ class SpanningSource:
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
     """Split leaves: ``path -> {device: [1, 1, *piece]}`` for this process's devices."""
     out: dict[Path, dict[jax.Device, jax.Array]] = {path: {} for path in requests}
-    lifted = per_device_map(_add_lead, {
+    lifted = per_device_map(add_lead, {
         (path, s.device): s.data for path in requests
         for s in self._arrays[path].addressable_shards})
     for (path, device), x in lifted.items():
@@ -153,7 +146,7 @@ class SpanningSource:
     """Unsplit leaves, replicated over the requested class mesh (local copies reused)."""
     out = {}
     for path, request in requests.items():
-      by_device = _per_device(self._arrays[path])
+      by_device = per_device(self._arrays[path])
       sharding = request.sharding
       out[path] = jax.make_array_from_single_device_arrays(
           request.shape, sharding,
