@@ -7,7 +7,7 @@ Kept short on purpose: it parses the config, makes sure enough devices exist
 (on a machine without an accelerator it simulates ``mesh.dp * mesh.tp`` CPU
 devices, set before JAX starts, unless ``XLA_FLAGS`` already sets a count),
 joins a multi-process job when the config or the environment asks for one
-(``ntp_jax.distributed``), and calls ``ntp_jax.trainer.train``.
+(``ntp_jax.parallel.distributed``), and calls ``ntp_jax.train.trainer.train``.
 """
 
 import os
@@ -66,8 +66,10 @@ def main(argv):
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config is required, e.g. --config configs/gpt_tiny.py")
-  from ntp_jax import distributed  # imports JAX; its backend starts later, reading XLA_FLAGS
   from ntp_jax.errors import ConfigError
+  from ntp_jax.parallel import (
+    distributed,  # imports JAX; its backend starts later, reading XLA_FLAGS
+  )
   try:
     processes = distributed.processes_in_config(config)
   except ConfigError as err:
@@ -77,7 +79,7 @@ def main(argv):
   simulate_cpu_devices(max(1, int(config.mesh.dp) * int(config.mesh.tp) // processes))
 
   from ntp_jax.data import DataError
-  from ntp_jax.trainer import train
+  from ntp_jax.train.trainer import train
   job = None
   try:
     job = distributed.join(config)

@@ -43,10 +43,10 @@ from common import emit, load_config, progress  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
-from ntp_jax.checkpoint import Checkpoints  # noqa: E402
-from ntp_jax.optim import make_optimizer  # noqa: E402
-from ntp_jax.plan import make_plan  # noqa: E402
-from ntp_jax.replica_class import JobStep, build_class_programs, logical_state  # noqa: E402
+from ntp_jax.parallel.plan import make_plan  # noqa: E402
+from ntp_jax.parallel.replica_class import JobStep, build_class_programs, logical_state  # noqa: E402
+from ntp_jax.state.checkpoint import Checkpoints  # noqa: E402
+from ntp_jax.train.optim import make_optimizer  # noqa: E402
 
 
 def build(cfg, config, failed="", source=None):
@@ -87,12 +87,12 @@ import os, sys, time
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, {root!r})
 import jax, numpy as np
-from ntp_jax.checkpoint import Checkpoints
-from ntp_jax.layout import make_layout
+from ntp_jax.state.checkpoint import Checkpoints
+from ntp_jax.sharding.layout import make_layout
 from ntp_jax.layers.params import TPParam
-from ntp_jax.mesh import class_mesh
-from ntp_jax.placement import place_logical, read_logical
-from ntp_jax.sources import ArraySource
+from ntp_jax.sharding.mesh import class_mesh
+from ntp_jax.state.placement import place_logical, read_logical
+from ntp_jax.state.sources import ArraySource
 
 rows, cols = {rows}, 8192
 def target(failed):
@@ -120,7 +120,7 @@ LARGE_RESTORE = LARGE_COMMON + """
 tree, mesh = target((3,))
 jax.block_until_ready(jax.device_put(np.zeros(8), jax.devices()[0]))  # start the runtime
 before = high_water()
-from ntp_jax.placement import leaves_of
+from ntp_jax.state.placement import leaves_of
 leaf = leaves_of(tree)[0][0]
 pieces = store.source(0).read({{leaf.path: leaf.abstract(leaf.even_sharding(mesh))}})
 jax.block_until_ready(pieces)

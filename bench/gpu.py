@@ -30,7 +30,7 @@ from ``device.device_kind`` (vendor datasheet figures below); an unknown
 kind shows "-".
 
 Before building a job the plan's memory is checked from shapes
-(``ntp_jax.trainer.check_footprint``); a plan that does not fit, or an
+(``ntp_jax.train.trainer.check_footprint``); a plan that does not fit, or an
 out-of-memory error from XLA, is reported as a row instead of stopping.
 """
 
@@ -52,10 +52,10 @@ from flax import nnx
 
 from models.gpt import GPT, GPTConfig, count_params, gpt_spec, model_layouts
 from ntp_jax.layers import REMAT_POLICIES
-from ntp_jax.optim import make_optimizer
-from ntp_jax.plan import make_plan
-from ntp_jax.replica_class import JobStep, build_class_programs
-from ntp_jax.trainer import ResourceError, check_footprint
+from ntp_jax.parallel.plan import make_plan
+from ntp_jax.parallel.replica_class import JobStep, build_class_programs
+from ntp_jax.train.optim import make_optimizer
+from ntp_jax.train.trainer import ResourceError, check_footprint
 
 try:
   from tqdm import tqdm

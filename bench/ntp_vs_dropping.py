@@ -34,10 +34,10 @@ from common import emit, load_config  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
-from ntp_jax.cost import class_step_flops, own_shard_flops  # noqa: E402
-from ntp_jax.optim import make_optimizer  # noqa: E402
-from ntp_jax.plan import make_plan  # noqa: E402
-from ntp_jax.replica_class import JobStep, build_class_programs  # noqa: E402
+from ntp_jax.parallel.cost import class_step_flops, own_shard_flops  # noqa: E402
+from ntp_jax.parallel.plan import make_plan  # noqa: E402
+from ntp_jax.parallel.replica_class import JobStep, build_class_programs  # noqa: E402
+from ntp_jax.train.optim import make_optimizer  # noqa: E402
 
 SCENARIOS = [
     ("healthy", ""),

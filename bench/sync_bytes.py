@@ -25,9 +25,9 @@ from common import emit, load_config, progress  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
-from ntp_jax.plan import make_plan  # noqa: E402
-from ntp_jax.replica_class import abstract_params  # noqa: E402
-from ntp_jax.sync import sync_traffic  # noqa: E402
+from ntp_jax.parallel.plan import make_plan  # noqa: E402
+from ntp_jax.parallel.replica_class import abstract_params  # noqa: E402
+from ntp_jax.parallel.sync import sync_traffic  # noqa: E402
 
 MIXES = [
     ("8 + 7", 8, 2, "1:3"),

@@ -44,8 +44,8 @@ from ntp_jax.layers import (  # noqa: E402
   VocabParallelEmbed,
   vocab_parallel_cross_entropy,
 )
-from ntp_jax.plan import make_plan  # noqa: E402
-from ntp_jax.replica_class import JobStep, build_class_programs, class_batch  # noqa: E402
+from ntp_jax.parallel.plan import make_plan  # noqa: E402
+from ntp_jax.parallel.replica_class import JobStep, build_class_programs, class_batch  # noqa: E402
 
 D_MODEL, D_FF, VOCAB, SEQ = 32, 96, 128, 16
 BLOCKS = 32

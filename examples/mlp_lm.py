@@ -25,8 +25,8 @@ from ntp_jax.layers import (
   VocabParallelEmbed,
   vocab_parallel_cross_entropy,
 )
-from ntp_jax.layout import Layout, make_layout
-from ntp_jax.model_spec import ModelSpec
+from ntp_jax.sharding.layout import Layout, make_layout
+from ntp_jax.train.model_spec import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ntp_jax.errors import ConfigError
+from ntp_jax.interop import hf_llama
 from ntp_jax.layers import (
   REMAT_POLICIES,
   Attention,
@@ -31,8 +32,10 @@ from ntp_jax.layers import (
   stack_layers,
   vocab_parallel_cross_entropy,
 )
-from ntp_jax.layout import Layout, make_layout, units_of
-from ntp_jax.model_spec import ModelSpec
+from ntp_jax.sharding.layout import Layout, make_layout, units_of
+from ntp_jax.sharding.shard import to_logical
+from ntp_jax.state.placement import flatten
+from ntp_jax.train.model_spec import ModelSpec
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 TRAINER_KEYS = ("factory", "init_from")  # ``model.*`` keys the trainer reads, not GPTConfig
@@ -111,6 +114,14 @@ class GPTConfig:
   def storage_dtype(self):
     return _DTYPES[self.param_dtype]
 
+  def logical_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """``path -> logical shape`` of every parameter of ``GPT(self)`` (paths under
+    ``params``), from abstract shapes (nothing allocated)."""
+    abstract = nnx.state(nnx.eval_shape(
+        lambda: GPT(self, model_layouts(self, 1), rngs=nnx.Rngs(0))), nnx.Param)
+    logical = jax.eval_shape(to_logical, abstract)
+    return {p: tuple(x.shape) for p, x in flatten(logical).items()}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelLayouts:
@@ -130,8 +141,8 @@ def model_layouts(cfg: GPTConfig, tp: int, failed: Sequence[int] = (),
   """Layouts of attention, MLP and vocabulary over the live slots of one TP group.
 
   Raises:
-    ValueError: naming the ``ntp_jax.layout`` argument: ``tp`` < 1, invalid
-      ``failed`` slots or ``weights`` (``ntp_jax.plan.make_plan`` checks the
+    ValueError: naming the ``ntp_jax.sharding.layout`` argument: ``tp`` < 1, invalid
+      ``failed`` slots or ``weights`` (``ntp_jax.parallel.plan.make_plan`` checks the
       config's before calling this, and names the field).
   """
   kw = dict(failed=failed, weights=weights)
@@ -163,7 +174,7 @@ class GPT(nnx.Module):
   """Llama-style decoder over one TP group's layouts.
 
   ``__call__`` and ``loss_sum`` run inside a ``shard_map`` body (see
-  ``ntp_jax.shard``) and see this device's blocks. The decoder blocks are one
+  ``ntp_jax.sharding.shard``) and see this device's blocks. The decoder blocks are one
   stacked module (``ntp_jax.layers.stack_layers``): each block parameter has a
   layer axis, e.g. ``blocks.attn.wq`` is logically
   ``[n_layers, d_model, n_heads * head_dim]``. With ``cfg.tie_embeddings``
@@ -212,7 +223,8 @@ def gpt_spec(cfg: GPTConfig, seed: int) -> ModelSpec:
       make=lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(seed)),
       vocab_size=cfg.vocab_size, param_count=count_params(cfg), n_layers=cfg.n_layers,
       unrolled=lambda n: gpt_spec(dataclasses.replace(cfg, n_layers=n, scan_layers=False), seed),
-      name="gpt")
+      name="gpt",
+      export_hf=lambda params, folder, **kw: hf_llama.export_hf(params, cfg, folder, **kw))
 
 
 def hf_folder(model_cfg) -> str | None:
@@ -237,7 +249,7 @@ def gpt_config(model_cfg) -> GPTConfig:
   """The ``GPTConfig`` of a ``model`` section, ``model.init_from`` applied.
 
   With ``"hf:FOLDER"`` the folder's ``config.json`` gives the shape
-  (``models.hf_llama.read_hf_config``: vocabulary, widths, depth, heads,
+  (``ntp_jax.interop.hf_llama.read_hf_config``: vocabulary, widths, depth, heads,
   ``rope_theta``, ``norm_eps``, ``tie_embeddings``) in place of the
   section's; dtypes, ``remat``, ``scan_layers`` and the granularities stay
   the section's.
@@ -249,8 +261,7 @@ def gpt_config(model_cfg) -> GPTConfig:
   folder = hf_folder(model_cfg)
   if folder is None:
     return GPTConfig.from_config(model_cfg)
-  from models.hf_llama import read_hf_config  # imports this module
-  return GPTConfig.from_config(model_cfg, **read_hf_config(folder))
+  return GPTConfig.from_config(model_cfg, **hf_llama.read_hf_config(folder))
 
 
 def model_spec(config) -> ModelSpec:
@@ -271,7 +282,6 @@ def model_spec(config) -> ModelSpec:
   folder = hf_folder(config.model)
   if folder is None:
     return spec
-  from models.hf_llama import HFSource, tokenizer_file  # imports this module
-  source = HFSource(folder, cfg)  # checks the tensors' names and shapes now, reads nothing
+  source = hf_llama.HFSource(folder, cfg)  # checks tensor names and shapes now, reads nothing
   return dataclasses.replace(spec, initial_source=lambda: source,
-                             tokenizer_file=tokenizer_file(folder))
+                             tokenizer_file=hf_llama.tokenizer_file(folder))

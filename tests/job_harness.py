@@ -8,9 +8,9 @@ import optax
 from flax import nnx
 
 from models.gpt import GPT, GPTConfig, model_layouts
-from ntp_jax.plan import make_plan
-from ntp_jax.replica_class import JobStep, build_class_programs
-from ntp_jax.shard import replica_view, to_logical
+from ntp_jax.parallel.plan import make_plan
+from ntp_jax.parallel.replica_class import JobStep, build_class_programs
+from ntp_jax.sharding.shard import replica_view, to_logical
 
 # Uneven everywhere: 8 KV heads (16 query heads), d_ff 20 in units of 4, vocabulary 37.
 SMALL = GPTConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=4,

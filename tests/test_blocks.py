@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ntp_jax.blocks import from_blocks, pad_mask, to_blocks
-from ntp_jax.layout import make_layout
+from ntp_jax.sharding.blocks import from_blocks, pad_mask, to_blocks
+from ntp_jax.sharding.layout import make_layout
 
 LAYOUTS = [
     make_layout(5, 2),  # d_ff 5 on 2 slots

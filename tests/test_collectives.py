@@ -8,15 +8,15 @@ from jax.sharding import PartitionSpec as P
 from layer_check import global_to_logical, mesh_for, split_to_global
 from tp_cases import TP_GROUPS, group_id
 
-from ntp_jax.collectives import (
+from ntp_jax.parallel.sync import sync_layout
+from ntp_jax.sharding.collectives import (
   all_gather_uneven,
   copy_shared_from_last,
   reduce_scatter_uneven,
   reshard_uneven,
   transfer_schedule,
 )
-from ntp_jax.layout import make_layout, owner_layout
-from ntp_jax.sync import sync_layout
+from ntp_jax.sharding.layout import make_layout, owner_layout
 
 
 def _slot_encoded(layout, rows=3):

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from models.gpt import GPTConfig, model_layouts
-from ntp_jax.plan import make_plan
+from ntp_jax.parallel.plan import make_plan
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 NAMES = sorted(f[:-3] for f in os.listdir(CONFIG_DIR) if f.endswith(".py") and f != "__init__.py")

@@ -10,9 +10,9 @@ from flax import nnx
 from job_harness import SMALL
 
 from models.gpt import GPT, model_layouts
-from ntp_jax.cost import class_step_flops
-from ntp_jax.plan import make_plan
-from ntp_jax.replica_class import JobStep, build_class_programs
+from ntp_jax.parallel.cost import class_step_flops
+from ntp_jax.parallel.plan import make_plan
+from ntp_jax.parallel.replica_class import JobStep, build_class_programs
 
 SEQ = 128  # enough tokens that per-step work dominates the per-parameter sync work
 
@@ -55,7 +55,7 @@ def test_every_device_of_a_reduced_replica_executes_within_2_percent_of_its_own_
 
   Sizes chosen so every other split is even (d_ff 24 = 3 x 8, vocabulary 48).
   """
-  from ntp_jax.cost import own_shard_flops
+  from ntp_jax.parallel.cost import own_shard_flops
   cfg = dataclasses.replace(UNROLLED, d_ff=24, ffn_granularity=1, vocab_size=48)
   job = _job(cfg, 4, 2, "1:2", 8)  # shares 4 and 3: one row per slot for the shared groups
   reduced = [p for p in job.programs if p.replica_class.degree == 3][0]

@@ -6,8 +6,8 @@ from test_train import tiny_config
 
 from examples.mlp_lm import model_spec
 from ntp_jax.errors import ConfigError
-from ntp_jax.model_spec import load_model_spec
-from ntp_jax.trainer import train
+from ntp_jax.train.model_spec import load_model_spec
+from ntp_jax.train.trainer import train
 
 
 def _config(tmp_path, **overrides):

@@ -14,14 +14,14 @@ from test_train import ROOT, tiny_config
 
 import configs.gpt_8b
 from models.gpt import GPTConfig, count_params, gpt_spec
-from ntp_jax.footprint import (
+from ntp_jax.train.footprint import (
   abstract_program,
   class_footprints,
   device_bytes,
   host_memory_available,
 )
-from ntp_jax.optim import make_optimizer
-from ntp_jax.trainer import footprint, make_plan_from, train
+from ntp_jax.train.optim import make_optimizer
+from ntp_jax.train.trainer import footprint, make_plan_from, train
 
 GIB = 2 ** 30
 

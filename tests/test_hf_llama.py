@@ -19,12 +19,12 @@ from jax.sharding import PartitionSpec as P
 from layer_check import global_to_logical
 
 from models.gpt import GPT, GPTConfig, model_layouts
-from models.hf_llama import HFSource, export_hf, read_hf_config, tokenizer_file
 from ntp_jax.errors import ConfigError
-from ntp_jax.mesh import TP, class_mesh
-from ntp_jax.placement import flatten, place_logical
-from ntp_jax.replica_class import abstract_class_state
-from ntp_jax.shard import replica_view, to_logical, tp_call
+from ntp_jax.interop.hf_llama import HFSource, export_hf, read_hf_config, tokenizer_file
+from ntp_jax.parallel.replica_class import abstract_class_state
+from ntp_jax.sharding.mesh import TP, class_mesh
+from ntp_jax.sharding.shard import replica_view, to_logical, tp_call
+from ntp_jax.state.placement import flatten, place_logical
 
 _FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 _spec = importlib.util.spec_from_file_location(
@@ -62,7 +62,7 @@ def _logits(model, mesh, layouts, tokens):
 
 @pytest.mark.parametrize("variant", list(fixture.VARIANTS))
 def test_logits_match_transformers_on_uneven_plans(tmp_path, variant, monkeypatch):
-  import models.hf_llama as hf
+  import ntp_jax.interop.hf_llama as hf
   folder = _folder(tmp_path, variant)
   cfg = GPTConfig(**read_hf_config(folder))
   assert cfg.tie_embeddings == fixture.VARIANTS[variant]["tied"]
@@ -119,8 +119,8 @@ def test_export_then_import_is_bit_exact(tmp_path, variant):
 def test_export_command_reads_a_checkpoint(tmp_path, capsys):
   from safetensors.numpy import load_file
 
-  from ntp_jax.checkpoint import Checkpoints
-  from ntp_jax.export_hf import main
+  from ntp_jax.interop.export_hf import main
+  from ntp_jax.state.checkpoint import Checkpoints
   folder = _folder(tmp_path, "untied")
   cfg = GPTConfig(**read_hf_config(folder))
   model, _, _ = _place(cfg, HFSource(folder, cfg), 3, ())

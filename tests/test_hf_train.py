@@ -19,13 +19,13 @@ from test_train import tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.gpt import GPTConfig
-from models.hf_llama import names, read_hf_config
 from ntp_jax.data import DataError, make_dataset
 from ntp_jax.errors import ConfigError
-from ntp_jax.export_hf import export_checkpoint
-from ntp_jax.metrics import read_records
-from ntp_jax.replica_class import logical_state
-from ntp_jax.trainer import train
+from ntp_jax.interop.export_hf import export_checkpoint
+from ntp_jax.interop.hf_llama import names, read_hf_config
+from ntp_jax.parallel.replica_class import logical_state
+from ntp_jax.train.metrics import read_records
+from ntp_jax.train.trainer import train
 
 _FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 _spec = importlib.util.spec_from_file_location(
@@ -110,7 +110,7 @@ def test_given_tokenizer_errors_name_the_field_and_file(tmp_path):
 
 
 def _expected_params(stored, cfg) -> dict:
-  """Logical ``params`` path -> float32 array, from the file tensors (as ``models.hf_llama``)."""
+  """Logical ``params`` path -> float32 array, from the file tensors (as ``hf_llama`` reads)."""
   out = {}
   for name in names(cfg):
     def one(hf, name=name):

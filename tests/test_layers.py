@@ -21,8 +21,8 @@ from ntp_jax.layers import (
   rope_angles,
   vocab_parallel_cross_entropy,
 )
-from ntp_jax.layout import make_layout
-from ntp_jax.shard import tp_call
+from ntp_jax.sharding.layout import make_layout
+from ntp_jax.sharding.shard import tp_call
 
 B, S = 2, 5
 
@@ -108,8 +108,8 @@ class _Logits(nnx.Module):
   """Wraps split logits as a TPParam so check_layer differentiates them."""
 
   def __init__(self, logits, layout):
-    from ntp_jax.blocks import to_blocks
     from ntp_jax.layers.params import TPParam
+    from ntp_jax.sharding.blocks import to_blocks
     self.logits = TPParam(to_blocks(logits, layout, -1), tp_layout=layout, tp_axis=logits.ndim - 1)
 
 
@@ -125,7 +125,7 @@ def test_cross_entropy_pinned_values():
   labels = jnp.array(3)
   loss = tp_call(module, mesh_for(layout), labels, fn=_cross_entropy_fn(layout))
   np.testing.assert_allclose(loss, 0.4401897, rtol=1e-6)
-  from ntp_jax.shard import to_logical
+  from ntp_jax.sharding.shard import to_logical
   grad = jax.grad(lambda m: tp_call(m, mesh_for(layout), labels, fn=_cross_entropy_fn(layout)))(
       module)
   np.testing.assert_allclose(to_logical(nnx.state(grad))["logits"],
@@ -187,8 +187,8 @@ def test_attention_with_shared_kv_groups_on_rows(rows):
 
 
 def test_shared_kv_groups_do_less_work_per_device_than_padding():
-  from ntp_jax.cost import compiled_flops
-  from ntp_jax.shard import tp_function
+  from ntp_jax.parallel.cost import compiled_flops
+  from ntp_jax.sharding.shard import tp_function
   flops = {}
   for share in (False, True):
     layout = make_layout(8, 3, share_remainder=share)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ntp_jax.errors import ConfigError
-from ntp_jax.layout import Layout, apportion, live_slots, make_layout, units_of
+from ntp_jax.sharding.layout import Layout, apportion, live_slots, make_layout, units_of
 
 
 def test_equal_split_of_divisible_dim():

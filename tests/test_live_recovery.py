@@ -9,9 +9,9 @@ import pytest
 from test_train import tiny_config
 
 from ntp_jax.errors import ConfigError
-from ntp_jax.metrics import read_metrics, read_records
-from ntp_jax.recovery import poison
-from ntp_jax.trainer import train
+from ntp_jax.state.peer import poison
+from ntp_jax.train.metrics import read_metrics, read_records
+from ntp_jax.train.trainer import train
 
 QUIET = dict(log=lambda *_: None)
 MESH = {"mesh.dp": 2, "mesh.tp": 4, "ntp.rebalance": "equal"}
@@ -53,7 +53,7 @@ def test_live_failure_and_repair_keep_the_losses_and_the_degrees(workdir, tmp_pa
 
 
 def test_a_failure_detector_hook_drives_the_same_recovery(workdir, tmp_path, uninterrupted):
-  from ntp_jax.recovery import DeviceFailure, Event
+  from ntp_jax.resilience.events import DeviceFailure, Event
 
   def detector(step):
     if step == 20:
@@ -140,10 +140,10 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
 
   from models.gpt import GPT, GPTConfig, model_layouts
   from ntp_jax.data import make_dataset
-  from ntp_jax.optim import make_optimizer
-  from ntp_jax.plan import make_plan
-  from ntp_jax.replica_class import JobStep, build_class_programs, logical_state
-  from ntp_jax.sources import ArraySource
+  from ntp_jax.parallel.plan import make_plan
+  from ntp_jax.parallel.replica_class import JobStep, build_class_programs, logical_state
+  from ntp_jax.state.sources import ArraySource
+  from ntp_jax.train.optim import make_optimizer
 
   events = {"ntp.rebalance": "proportional", "ntp.fail_at": "20@0:3", "ntp.repair_at": "30@0:3"}
   ntp = run(workdir, tmp_path, **events)

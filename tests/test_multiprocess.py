@@ -16,19 +16,18 @@ import time
 import numpy as np
 import pytest
 
-from ntp_jax.distributed import (
+from ntp_jax.errors import ConfigError
+from ntp_jax.launch import free_port
+from ntp_jax.parallel.distributed import (
   ENV_COORDINATOR,
   ENV_NUM_PROCESSES,
   ENV_PROCESS_ID,
-  Heartbeat,
-  StopAgreement,
   check_domains,
   settings_from_config,
 )
-from ntp_jax.errors import ConfigError
-from ntp_jax.launch import free_port
-from ntp_jax.metrics import read_metrics
-from ntp_jax.trainer import train
+from ntp_jax.resilience.heartbeat import Heartbeat, StopAgreement
+from ntp_jax.train.metrics import read_metrics
+from ntp_jax.train.trainer import train
 from tests.test_train import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,11 +17,11 @@ from flax import nnx
 from job_harness import SMALL
 
 from models.gpt import GPT, model_layouts
-from ntp_jax.checkpoint import CheckpointError, Checkpoints
-from ntp_jax.placement import Leaf, even_pieces, leaves_of, read_logical
-from ntp_jax.plan import make_plan
-from ntp_jax.replica_class import abstract_class_state, build_class_programs
-from ntp_jax.sources import ArraySource
+from ntp_jax.parallel.plan import make_plan
+from ntp_jax.parallel.replica_class import abstract_class_state, build_class_programs
+from ntp_jax.state.checkpoint import CheckpointError, Checkpoints
+from ntp_jax.state.placement import Leaf, even_pieces, leaves_of, read_logical
+from ntp_jax.state.sources import ArraySource
 
 # (mesh.tp, mesh.dp, ntp.failed, ntp.slot_weights): failed slots at the ends and in the
 # middle, 0 to 3 failures, several replicas, speed weights; 8 KV heads on 3 and 7 slots

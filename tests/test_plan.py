@@ -9,13 +9,13 @@ from flax import nnx
 from job_harness import SMALL
 
 from models.gpt import model_layouts
-from ntp_jax.blocks import to_blocks
 from ntp_jax.errors import ConfigError
 from ntp_jax.layers import TPParam
-from ntp_jax.layout import make_layout
-from ntp_jax.optim import clip_by_logical_norm, logical_norm
-from ntp_jax.plan import make_plan, parse_failed
-from ntp_jax.shard import stack_replicas
+from ntp_jax.parallel.plan import make_plan, parse_failed
+from ntp_jax.sharding.blocks import to_blocks
+from ntp_jax.sharding.layout import make_layout
+from ntp_jax.sharding.shard import stack_replicas
+from ntp_jax.train.optim import clip_by_logical_norm, logical_norm
 
 plan_of = functools.partial(make_plan, functools.partial(model_layouts, SMALL))
 

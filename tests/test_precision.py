@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from test_train import tiny_config
 
-from ntp_jax.trainer import train
+from ntp_jax.train.trainer import train
 
 
 def test_bf16_compute_tracks_fp32_over_150_steps(tmp_path):

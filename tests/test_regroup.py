@@ -1,7 +1,7 @@
 """Sync positions of a flattened gradient: near-equal runs or the nested core/extra regroup."""
 
-from ntp_jax.layout import Layout, make_layout
-from ntp_jax.regroup import choose_regroup, equal_regroup, nested_regroup
+from ntp_jax.parallel.regroup import choose_regroup, equal_regroup, nested_regroup
+from ntp_jax.sharding.layout import Layout, make_layout
 
 
 def _flat(num_units, tp, failed=(), unit_size=5):

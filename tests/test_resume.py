@@ -13,8 +13,8 @@ import pytest
 from test_train import ROOT, tiny_config
 
 from ntp_jax.data.packed_dataset import PackedDataset
-from ntp_jax.metrics import read_metrics, read_records
-from ntp_jax.trainer import train
+from ntp_jax.train.metrics import read_metrics, read_records
+from ntp_jax.train.trainer import train
 
 QUIET = dict(log=lambda *_: None)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import configs.gpt_tiny
-from ntp_jax.metrics import read_metrics
-from ntp_jax.trainer import train
+from ntp_jax.train.metrics import read_metrics
+from ntp_jax.train.trainer import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

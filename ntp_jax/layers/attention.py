@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ntp_jax.collectives import slot_position, tp_sum
 from ntp_jax.layers.linear import default_kernel_init
 from ntp_jax.layers.params import local_block, tp_param
 from ntp_jax.layers.rope import apply_rope
-from ntp_jax.layout import Layout
+from ntp_jax.sharding.collectives import slot_position, tp_sum
+from ntp_jax.sharding.layout import Layout
 
 
 class Attention(nnx.Module):

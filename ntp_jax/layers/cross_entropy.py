@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ntp_jax.collectives import local_offset, local_size, local_valid, tp_max, tp_sum
-from ntp_jax.layout import Layout
+from ntp_jax.sharding.collectives import local_offset, local_size, local_valid, tp_max, tp_sum
+from ntp_jax.sharding.layout import Layout
 
 
 def vocab_parallel_cross_entropy(logits_blk: jax.Array, labels: jax.Array,

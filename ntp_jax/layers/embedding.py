@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ntp_jax.collectives import local_offset, local_size, tp_sum
 from ntp_jax.layers.params import Initializer, local_block, tp_param
-from ntp_jax.layout import Layout
+from ntp_jax.sharding.collectives import local_offset, local_size, tp_sum
+from ntp_jax.sharding.layout import Layout
 
 
 class VocabParallelEmbed(nnx.Module):

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ntp_jax.collectives import tp_sum
 from ntp_jax.layers.params import Initializer, local_block, tp_param
-from ntp_jax.layout import Layout
+from ntp_jax.sharding.collectives import tp_sum
+from ntp_jax.sharding.layout import Layout
 
 default_kernel_init = nnx.initializers.normal(stddev=0.02)
 

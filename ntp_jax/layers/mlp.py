@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ntp_jax.layers.linear import ColumnParallelLinear, RowParallelLinear
-from ntp_jax.layout import Layout
+from ntp_jax.sharding.layout import Layout
 
 
 class SwiGLU(nnx.Module):

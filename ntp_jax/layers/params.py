@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ntp_jax.blocks import to_blocks
-from ntp_jax.collectives import tp_sum
-from ntp_jax.layout import Layout
+from ntp_jax.sharding.blocks import to_blocks
+from ntp_jax.sharding.collectives import tp_sum
+from ntp_jax.sharding.layout import Layout
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
@@ -43,13 +43,13 @@ def local_block(param: nnx.Variable) -> jax.Array:
 
   Raises:
     ValueError: the parameter still has its global slot axis, i.e. the layer
-      was called outside ``shard_map`` (use ``ntp_jax.shard.tp_call``).
+      was called outside ``shard_map`` (use ``ntp_jax.sharding.shard.tp_call``).
   """
   value = param[...]
   if value.shape[0] != 1:
     raise ValueError(
         f"layer called outside shard_map: parameter has {value.shape[0]} slot blocks, "
-        "expected this device's one; run it through ntp_jax.shard.tp_call")
+        "expected this device's one; run it through ntp_jax.sharding.shard.tp_call")
   return value[0]
 
 

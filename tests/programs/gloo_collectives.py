@@ -25,9 +25,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from ntp_jax.collectives import all_gather_uneven, reduce_scatter_uneven  # noqa: E402
-from ntp_jax.layout import Layout  # noqa: E402
-from ntp_jax.mesh import TP  # noqa: E402
+from ntp_jax.sharding.collectives import all_gather_uneven, reduce_scatter_uneven  # noqa: E402
+from ntp_jax.sharding.layout import Layout  # noqa: E402
+from ntp_jax.sharding.mesh import TP  # noqa: E402
 
 REPS = int(sys.argv[1]) if len(sys.argv) > 1 else 30
 UNITS = (262_147, 262_139, 262_144, 0, 262_151, 262_133, 262_144, 131_071)  # uneven, one empty

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.placement import (
+from ntp_jax.state.placement import (
   Leaf,
   LogicalSource,
   Path,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from ntp_jax.layout import Layout
+from ntp_jax.sharding.layout import Layout
 
 
 def _check_axis(shape: tuple[int, ...], axis: int, length: int, what: str) -> int:

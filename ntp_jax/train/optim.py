@@ -6,7 +6,7 @@ both Adam moments and the decayed value stay zero.
 
 Clipping is done here rather than by ``optax.clip_by_global_norm`` because a
 class program stores one copy of the gradients per DP replica (see
-``ntp_jax.shard.replica_specs``): the norm must count each logical element
+``ntp_jax.sharding.shard.replica_specs``): the norm must count each logical element
 once, not once per replica. Padding is zero, so it adds nothing.
 Source: Loshchilov & Hutter, AdamW (arXiv:1711.05101); Pascanu et al.,
 gradient clipping (arXiv:1211.5063).

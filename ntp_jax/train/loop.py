@@ -1,10 +1,10 @@
 """One training run: steps, checkpoints, failures and repairs while it runs, goodput.
 
 ``trainer.train`` sets up the config, plan and data and hands over to
-``TrainingRun``. Events (``recovery.Event``) change the set of failed slots
+``TrainingRun``. Events (``events.Event``) change the set of failed slots
 before a step (or inside it, ``mid``); the run then re-plans and moves the
 live state onto the new plan (``ntp.recovery="live"``: from DP peers, see
-``ntp_jax.recovery``) or restores the last checkpoint onto it
+``ntp_jax.state.peer``) or restores the last checkpoint onto it
 (``"restart"``, and the fallback when no live copy exists).
 """
 
@@ -18,16 +18,22 @@ from typing import Any
 import jax
 import numpy as np
 
-from ntp_jax.checkpoint import CheckpointError
-from ntp_jax.goodput import GoodputClock
-from ntp_jax.metrics import progress_line
-from ntp_jax.model_spec import default_loss
-from ntp_jax.placement import LogicalSource
-from ntp_jax.plan import Plan
-from ntp_jax.recovery import DeviceFailure, Event, PeerSource, failed_text, poison
-from ntp_jax.replica_class import JobStep, ProgramCache, build_class_programs, logical_state
-from ntp_jax.sources import InitSource
-from ntp_jax.spanning import processes_without_pieces
+from ntp_jax.parallel.plan import Plan
+from ntp_jax.parallel.replica_class import (
+  JobStep,
+  ProgramCache,
+  build_class_programs,
+  logical_state,
+)
+from ntp_jax.resilience.events import DeviceFailure, Event, failed_text
+from ntp_jax.resilience.goodput import GoodputClock
+from ntp_jax.state.checkpoint import CheckpointError
+from ntp_jax.state.peer import PeerSource, poison
+from ntp_jax.state.placement import LogicalSource
+from ntp_jax.state.sources import InitSource
+from ntp_jax.state.spanning import processes_without_pieces
+from ntp_jax.train.metrics import progress_line
+from ntp_jax.train.model_spec import default_loss
 
 
 class DatasetRows:
@@ -291,7 +297,7 @@ class TrainingRun:
 
     Args:
       detector: optional ``step -> list[Event]`` called before each step (a
-        failure detector's hook); a ``recovery.DeviceFailure`` raised by it
+        failure detector's hook); a ``events.DeviceFailure`` raised by it
         or by a step is handled as a failure inside that step.
     """
     pending = sorted(events)

@@ -31,8 +31,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ntp_jax.collectives import transfer_schedule
-from ntp_jax.layout import Layout, apportion
+from ntp_jax.sharding.collectives import transfer_schedule
+from ntp_jax.sharding.layout import Layout, apportion
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""``python -m ntp_jax.export_hf --checkpoint DIR [--step N] --out FOLDER``.
+"""``python -m ntp_jax.interop.export_hf --checkpoint DIR [--step N] --out FOLDER``.
 
-Writes one step of a run's checkpoints (``ntp_jax.checkpoint.Checkpoints``:
+Writes one step of a run's checkpoints (``ntp_jax.state.checkpoint.Checkpoints``:
 the ``meta`` item holds the run's config, the ``state`` item the logical
-parameters) as a Hugging Face Llama folder (``models.hf_llama.export_hf``):
+parameters) as a Hugging Face folder (the model's ``ModelSpec.export_hf``; for the GPT,
+``ntp_jax.interop.hf_llama.export_hf``):
 ``config.json`` and a float32 ``model.safetensors``. The parameters are read
 on this host with plain orbax (the optimizer state is not read), so any
 device count works; the host needs memory for the model in float32 twice.
@@ -15,12 +16,14 @@ import os
 import sys
 from collections.abc import Sequence
 
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ntp_jax.checkpoint import STATE, CheckpointError, Checkpoints
 from ntp_jax.errors import ConfigError
-from ntp_jax.placement import Path, nest
+from ntp_jax.state.checkpoint import STATE, CheckpointError, Checkpoints
+from ntp_jax.state.placement import Path, nest
+from ntp_jax.train.model_spec import load_model_spec
 
 
 def read_params_on_host(checkpoints: Checkpoints, step: int) -> dict[Path, np.ndarray]:
@@ -66,9 +69,6 @@ def export_checkpoint(directory: str, out: str, step: int | None = None) -> int:
       ``model.init_from="hf:FOLDER"`` reads that folder's ``config.json``
       again for its shape).
   """
-  from models.gpt import gpt_config  # application modules: imported where the command runs
-  from models.hf_llama import export_hf
-
   if not os.path.isdir(directory):
     raise ConfigError(f"--checkpoint: no folder {directory}")
   checkpoints = Checkpoints(directory, asynchronous=False, field="--checkpoint")
@@ -85,22 +85,24 @@ def export_checkpoint(directory: str, out: str, step: int | None = None) -> int:
     if "model" not in config:
       raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its metadata holds no "
                             "model config")
-    try:  # a run from model.init_from="hf:FOLDER" takes its shape from that folder again
-      cfg = gpt_config(config["model"])
+    try:  # the model its config names; init_from="hf:FOLDER" reads that folder's shape again
+      model = load_model_spec(ml_collections.ConfigDict(config))
     except ConfigError as err:
       raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its config: "
                             f"{err}") from None
+    if model.export_hf is None:
+      raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its model "
+                            f"({config['model'].get('factory')}) has no Hugging Face export")
     params = read_params_on_host(checkpoints, step)
   finally:
     checkpoints.close()
-  export_hf(params, cfg, out,
-            max_position_embeddings=config.get("train", {}).get("seq_len"))
+  model.export_hf(params, out, max_position_embeddings=config.get("train", {}).get("seq_len"))
   return step
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
-      prog="python -m ntp_jax.export_hf",
+      prog="python -m ntp_jax.interop.export_hf",
       description="Write a checkpoint's parameters as a Hugging Face Llama folder.")
   parser.add_argument("--checkpoint", required=True, help="the run's checkpoint folder")
   parser.add_argument("--step", type=int, default=None,

@@ -1,7 +1,7 @@
 """Collectives over the ``'tp'`` axis for padded uneven blocks.
 
 Every function here runs inside a ``jax.shard_map`` body over a mesh with a
-``'tp'`` axis (see ``ntp_jax.mesh``) and takes the local padded block of the
+``'tp'`` axis (see ``ntp_jax.sharding.mesh``) and takes the local padded block of the
 device. Unevenness is explicit: per-slot sizes and offsets come from the
 ``Layout`` as static tables indexed by the device's position on the axis.
 """
@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntp_jax.layout import Layout
-from ntp_jax.mesh import TP
+from ntp_jax.sharding.layout import Layout
+from ntp_jax.sharding.mesh import TP
 
 
 def slot_position() -> jax.Array:

@@ -17,9 +17,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.blocks import from_blocks
 from ntp_jax.layers.params import TPParam
-from ntp_jax.mesh import DP, TP
+from ntp_jax.sharding.blocks import from_blocks
+from ntp_jax.sharding.mesh import DP, TP
 
 
 def _is_variable(x: Any) -> bool:
@@ -74,7 +74,7 @@ def to_logical(state: nnx.State) -> dict:
   """Nested dict of logical arrays: blocks of each ``TPParam`` joined, padding dropped.
 
   Gathers every array where ``state`` lives: for tests and small models. The
-  scalable paths (no array gathered on one device) are in ``ntp_jax.placement``.
+  scalable paths (no array gathered on one device) are in ``ntp_jax.state.placement``.
   """
   def logical(v):
     if isinstance(v, TPParam):

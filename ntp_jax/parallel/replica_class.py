@@ -25,22 +25,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.layers.params import TPParam, sum_shared_grads
-from ntp_jax.mesh import DP, TP, class_mesh
-from ntp_jax.model_spec import default_loss
-from ntp_jax.optim import clip_by_logical_norm, logical_norm
-from ntp_jax.placement import LogicalSource, place_logical, read_logical
-from ntp_jax.plan import Plan, ReplicaClass
-from ntp_jax.regroup import Regroup
-from ntp_jax.shard import (
-  replica_specs,
-  restack_local,
-  spec_shardings,
-  stack_replicas,
-  unstack_local,
-)
-from ntp_jax.sources import InitSource
-from ntp_jax.spanning import SpanningSource, read_logical_spanning
-from ntp_jax.sync import (
+from ntp_jax.parallel.plan import Plan, ReplicaClass
+from ntp_jax.parallel.regroup import Regroup
+from ntp_jax.parallel.sync import (
   CrossClassSync,
   from_sync_blocks,
   pack_buffers,
@@ -50,6 +37,19 @@ from ntp_jax.sync import (
   to_sync_blocks,
   unpack_buffers,
 )
+from ntp_jax.sharding.mesh import DP, TP, class_mesh
+from ntp_jax.sharding.shard import (
+  replica_specs,
+  restack_local,
+  spec_shardings,
+  stack_replicas,
+  unstack_local,
+)
+from ntp_jax.state.placement import LogicalSource, place_logical, read_logical
+from ntp_jax.state.sources import InitSource
+from ntp_jax.state.spanning import SpanningSource, read_logical_spanning
+from ntp_jax.train.model_spec import default_loss
+from ntp_jax.train.optim import clip_by_logical_norm, logical_norm
 
 
 @dataclasses.dataclass
@@ -314,7 +314,7 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
   Args:
     make_model: ``layouts -> module``; the same seed must give the same
       logical parameters for every layout.
-    source: logical state to start from (``ntp_jax.placement``): a
+    source: logical state to start from (``ntp_jax.state.placement``): a
       checkpoint, a live replica, ...; default: fresh parameters of the
       degree-1 model (``InitSource``). Optimizer state the source does not
       hold starts from ``optimizer.init``.
@@ -329,7 +329,7 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
   meshes = [class_mesh(c.replicas, c.live_slots, plan.tp, devices) for c in plan.classes]
   targets = [abstract_class_state(lambda c=c: make_model(c.layouts), len(c.replicas), optimizer)
              for c in plan.classes]
-  if jax.process_count() > 1:  # one collective read for every class (see ntp_jax.spanning)
+  if jax.process_count() > 1:  # one collective read for every class (see ntp_jax.state.spanning)
     source = SpanningSource(source, targets[0][1], meshes, min(c.degree for c in plan.classes))
   programs = []
   for replica_class, mesh, (graphdef, target) in zip(plan.classes, meshes, targets):

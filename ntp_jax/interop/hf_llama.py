@@ -1,4 +1,10 @@
-"""Llama weights in Hugging Face format <-> the logical parameters of ``models.gpt.GPT``.
+"""Llama weights in Hugging Face format <-> the logical parameters of a Llama-style model.
+
+The model is named by its config ``cfg``: an object with the Llama shape
+fields (``vocab_size``, ``d_model``, ``d_ff``, ``n_layers``, ``n_heads``,
+``n_kv_heads``, ``head_dim``, ``rope_theta``, ``norm_eps``,
+``tie_embeddings``) and ``logical_shapes() -> {path: shape}`` of its
+parameters, as ``models.gpt.GPTConfig`` has. This module imports no model.
 
 A Hugging Face Llama folder holds ``config.json`` and the weights as
 safetensors (``model.safetensors``, or shards listed by
@@ -13,7 +19,7 @@ Conventions (checked against ``transformers``' ``LlamaForCausalLM`` by
 
 - ``nn.Linear`` weights are ``[out, in]``; ours are ``[in, out]``: transposed.
 - The ``L`` layers' tensors are stacked on a leading layer axis
-  (``models.gpt``'s stacked blocks).
+  (stacked blocks, ``ntp_jax.layers.stack``).
 - RoPE: Hugging Face checkpoints of Llama already use the "half"
   (``rotate_half``) pairing of ``ntp_jax.layers.rope``: no permutation.
 - GQA: query head ``n`` reads KV head ``n // group`` in both (``repeat_kv``).
@@ -39,14 +45,11 @@ from typing import Any
 import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors then reads BF16)
 import numpy as np
-from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.gpt import GPT, GPTConfig, model_layouts
 from ntp_jax.errors import ConfigError
-from ntp_jax.placement import Path, flatten
-from ntp_jax.shard import to_logical
+from ntp_jax.state.placement import Path, flatten
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -93,7 +96,7 @@ NAMES = (
 )
 
 
-def names(cfg: GPTConfig) -> list[Name]:
+def names(cfg: Any) -> list[Name]:
   """The table for ``cfg``: every logical parameter once (no head when tied).
 
   Raises:
@@ -104,16 +107,14 @@ def names(cfg: GPTConfig) -> list[Name]:
   missing = set(shapes) - {n.path for n in table}
   if missing:
     raise ConfigError(f"model: parameter {'/'.join(min(missing))} has no Hugging Face "
-                      "name in models.hf_llama.NAMES")
+                      "name in ntp_jax.interop.hf_llama.NAMES")
   return table
 
 
-def logical_shapes(cfg: GPTConfig) -> dict[Path, tuple[int, ...]]:
-  """``path -> logical shape`` of every parameter of ``GPT(cfg)`` (paths under ``params``)."""
-  abstract = nnx.state(nnx.eval_shape(lambda: GPT(cfg, model_layouts(cfg, 1), rngs=nnx.Rngs(0))),
-                       nnx.Param)
-  logical = jax.eval_shape(to_logical, abstract)
-  return {p: tuple(x.shape) for p, x in flatten(logical).items()}
+def logical_shapes(cfg: Any) -> dict[Path, tuple[int, ...]]:
+  """``path -> logical shape`` of every parameter of the model of ``cfg`` (paths under
+  ``params``): ``cfg.logical_shapes()``."""
+  return dict(cfg.logical_shapes())
 
 
 def hf_shape(name: Name, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -139,14 +140,14 @@ def _load_json(path: str) -> dict:
 
 
 def read_hf_config(folder: str) -> dict[str, Any]:
-  """``GPTConfig`` fields from a Hugging Face Llama ``config.json``.
+  """Model config fields from a Hugging Face Llama ``config.json``.
 
   Returns:
     ``vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff,
     rope_theta, norm_eps, tie_embeddings``; missing optional keys take
     ``LlamaConfig``'s defaults (``num_key_value_heads`` = heads, ``head_dim``
     = hidden / heads, ``rope_theta`` 10000, ``rms_norm_eps`` 1e-6, untied).
-    The other ``GPTConfig`` fields (granularities, dtypes, remat) are the
+    The other fields (granularities, dtypes, remat) are the
     run's to choose.
 
   Raises:
@@ -276,7 +277,7 @@ class HFSource:
       ``read_hf_config``, ``tensor_files``); a tensor the model does not use.
   """
 
-  def __init__(self, folder: str, cfg: GPTConfig):
+  def __init__(self, folder: str, cfg: Any):
     self.folder = folder
     self.cfg = cfg
     config_path = os.path.join(folder, CONFIG)
@@ -379,7 +380,7 @@ def _flat_params(params: Mapping) -> dict[Path, Any]:
   return {(p[1:] if p[0] == "params" else p): v for p, v in flat.items()}
 
 
-def hf_config(cfg: GPTConfig, max_position_embeddings: int | None = None) -> dict[str, Any]:
+def hf_config(cfg: Any, max_position_embeddings: int | None = None) -> dict[str, Any]:
   """The ``config.json`` of ``cfg`` (``LlamaForCausalLM``, float32 weights)."""
   config = {
       "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -395,7 +396,7 @@ def hf_config(cfg: GPTConfig, max_position_embeddings: int | None = None) -> dic
   return config
 
 
-def export_hf(logical_params: Mapping, cfg: GPTConfig, folder: str, *,
+def export_hf(logical_params: Mapping, cfg: Any, folder: str, *,
               max_position_embeddings: int | None = None) -> None:
   """Write logical parameters as a Hugging Face Llama folder.
 

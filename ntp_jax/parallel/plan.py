@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ntp_jax.errors import ConfigError
-from ntp_jax.layout import live_slots as live_slots_of
+from ntp_jax.sharding.layout import live_slots as live_slots_of
 
 REBALANCE = ("proportional", "equal")
 
@@ -201,7 +201,7 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
     rebalance: ``ntp.rebalance``: ``proportional`` (share ~ degree / tp) or ``equal``.
 
   Every setting is checked here, so ``make_layouts`` (whose errors about its
-  own arguments are ``ValueError``s, see ``ntp_jax.layout``) only sees valid
+  own arguments are ``ValueError``s, see ``ntp_jax.sharding.layout``) only sees valid
   slots and weights.
 
   Raises:

@@ -6,7 +6,7 @@ checkpoints are never left half written. A second SIGINT raises
 ``KeyboardInterrupt`` at once (for a user who does not want to wait for a
 long compilation); the trainer then stops without saving the step in flight.
 In a multi-process job the processes agree on the step to stop at
-(``distributed.StopAgreement``), so their last collective steps and the
+(``heartbeat.StopAgreement``), so their last collective steps and the
 final checkpoint match.
 """
 
@@ -28,12 +28,12 @@ class StopSignals:
 
   def __init__(self, agreement=None):
     self.received: str | None = None
-    self.agreement = agreement  # several processes: distributed.StopAgreement
+    self.agreement = agreement  # several processes: heartbeat.StopAgreement
     self._previous: dict[int, object] = {}
 
   def due(self, step: int) -> bool:
     """Stop before ``step``? In a multi-process job every process answers the same at
-    the same step (``distributed.StopAgreement``), whichever got the signal."""
+    the same step (``heartbeat.StopAgreement``), whichever got the signal."""
     if self.agreement is None:
       return self.received is not None
     name = self.agreement.due(step, self.received)

@@ -23,11 +23,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ntp_jax.cost import flops_of
-from ntp_jax.mesh import class_mesh
-from ntp_jax.model_spec import default_loss
-from ntp_jax.plan import Plan, ReplicaClass
-from ntp_jax.replica_class import (
+from ntp_jax.parallel.cost import flops_of
+from ntp_jax.parallel.plan import Plan, ReplicaClass
+from ntp_jax.parallel.replica_class import (
   ClassProgram,
   abstract_class_state,
   abstract_sync_blocks,
@@ -35,6 +33,8 @@ from ntp_jax.replica_class import (
   make_fused_step,
   make_split_step,
 )
+from ntp_jax.sharding.mesh import class_mesh
+from ntp_jax.train.model_spec import default_loss
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The training loop: config -> plan -> per-class programs -> steps -> metrics.
 
 ``train.py`` only parses flags and calls ``train(config)``. One program is
-compiled per replica class (see ``ntp_jax.plan``); each runs over its own
+compiled per replica class (see ``ntp_jax.parallel.plan``); each runs over its own
 sub-mesh of the job's devices.
 """
 
@@ -15,11 +15,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from ntp_jax.checkpoint import Checkpoints
 from ntp_jax.data import make_dataset
-from ntp_jax.distributed import check_domains, join, ordered_devices
 from ntp_jax.errors import ConfigError
-from ntp_jax.footprint import (
+from ntp_jax.parallel.distributed import check_domains, join, ordered_devices
+from ntp_jax.parallel.plan import Plan, make_plan, parse_failed
+from ntp_jax.parallel.sync import sync_traffic
+from ntp_jax.resilience.events import Event, check_events, failed_text, parse_events
+from ntp_jax.resilience.goodput import plot_run
+from ntp_jax.resilience.signals import StopSignals
+from ntp_jax.sharding.shard import replica_view
+from ntp_jax.state.checkpoint import Checkpoints
+from ntp_jax.train.footprint import (
   ClassFootprint,
   abstract_program,
   class_footprints,
@@ -29,17 +35,11 @@ from ntp_jax.footprint import (
   resident_fraction,
   shortfall,
 )
-from ntp_jax.goodput import plot_run
-from ntp_jax.loop import TrainingRun
-from ntp_jax.metrics import MetricsWriter, TensorBoardWriter
-from ntp_jax.model_spec import ModelSpec, load_model_spec
-from ntp_jax.optim import make_optimizer
-from ntp_jax.plan import Plan, make_plan, parse_failed
-from ntp_jax.recovery import Event, check_events, failed_text, parse_events
-from ntp_jax.report import parameter_table
-from ntp_jax.shard import replica_view
-from ntp_jax.signals import StopSignals
-from ntp_jax.sync import sync_traffic
+from ntp_jax.train.loop import TrainingRun
+from ntp_jax.train.metrics import MetricsWriter, TensorBoardWriter
+from ntp_jax.train.model_spec import ModelSpec, load_model_spec
+from ntp_jax.train.optim import make_optimizer
+from ntp_jax.train.report import parameter_table
 
 
 def _quiet(log):
@@ -178,7 +178,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   """Train the model of ``config`` and return a summary.
 
   The model is ``model``, or the ``ModelSpec`` that ``model.factory`` names
-  (default the GPT of ``models.gpt``); see ``ntp_jax.model_spec``. A run
+  (default the GPT of ``models.gpt``); see ``ntp_jax.train.model_spec``. A run
   with no checkpoint to resume starts from ``model.initial_source`` when
   set (``model.init_from="hf:FOLDER"``: a Hugging Face folder's weights),
   and the text is encoded with ``model.tokenizer_file`` when set.
@@ -196,9 +196,9 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   step in flight and returns with ``interrupted`` set); with
   ``checkpoint.resume`` it continues from the latest checkpoint in
   ``checkpoint.dir``, onto this config's plan. ``ntp.fail_at`` /
-  ``ntp.repair_at`` events (and ``detector``, a ``step -> [recovery.Event]``
+  ``ntp.repair_at`` events (and ``detector``, a ``step -> [events.Event]``
   hook for a real failure detector) change the plan while it runs
-  (``ntp_jax.loop``).
+  (``ntp_jax.train.loop``).
 
   In a multi-process job (``distributed.*``, ``python -m ntp_jax.launch``,
   SLURM's ``srun``) every process calls this; ``jax.distributed`` starts
@@ -286,7 +286,7 @@ def resident_bytes(plan: Plan, make_model, optimizer, devices) -> list[int]:
 
 
 def footprint(config, model: ModelSpec, plan: Plan, optimizer, devices) -> list[ClassFootprint]:
-  """Per-device bytes and flops of every class's step (``ntp_jax.footprint``), allocating nothing.
+  """Per-device bytes and flops of every class's step (``footprint``), allocating nothing.
 
   Memory is that of the model as configured (scanned, rematerialised).
   Flops: with ``model.unrolled``, from the unrolled model at 2 and 3 layers,

@@ -1,7 +1,7 @@
 """Sources of logical state for ``placement.place_logical``: fresh parameters, host arrays.
 
 Checkpoints (``checkpoint.CheckpointSource``) and live DP peers
-(``recovery.PeerSource``) are the other sources.
+(``peer.PeerSource``) are the other sources.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from ntp_jax.layers.params import TPParam
-from ntp_jax.placement import Path, is_variable, key_name
+from ntp_jax.state.placement import Path, is_variable, key_name
 
 
 class ArraySource:

@@ -1,7 +1,7 @@
-"""Failures and repairs while a job runs: events, the new plan, state moved from live peers.
+"""Live recovery: the new plan's state from the live DP peers of the old one.
 
 A failure (or repair) changes the set of failed ``(replica, slot)`` pairs;
-the planner makes the new plan (``ntp_jax.plan.make_plan``), and the new
+the planner makes the new plan (``ntp_jax.parallel.plan.make_plan``), and the new
 class programs are filled through ``placement.place_logical`` from a
 ``PeerSource``: the live state of the old programs. Every replica holds
 identical state, so each logical piece is taken from a replica whose devices
@@ -16,7 +16,6 @@ failure); the live reshard from DP peers is our own.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,11 +26,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.collectives import transfer_schedule
-from ntp_jax.errors import ConfigError
-from ntp_jax.layout import owner_layout
-from ntp_jax.mesh import DP, TP
-from ntp_jax.placement import (
+from ntp_jax.sharding.collectives import transfer_schedule
+from ntp_jax.sharding.layout import owner_layout
+from ntp_jax.sharding.mesh import DP, TP
+from ntp_jax.state.placement import (
   Leaf,
   Path,
   block_shape,
@@ -40,99 +38,6 @@ from ntp_jax.placement import (
   even_pieces_of,
   leaves_of,
 )
-
-KINDS = ("fail", "repair")
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Event:
-  """A device failing or coming back before step ``step`` (or inside it, ``mid``).
-
-  ``mid``: the failure strikes after that step's gradients are computed and
-  before they are applied; the step's work is discarded and redone.
-  """
-
-  step: int
-  mid: bool
-  kind: str
-  replica: int
-  slot: int
-
-  def describe(self) -> str:
-    where = f"{self.step}.mid" if self.mid else str(self.step)
-    return f"{self.kind} {where}@{self.replica}:{self.slot}"
-
-
-class DeviceFailure(Exception):
-  """Raised by a failure detector (or a step) when ``(replica, slot)``'s device is lost.
-
-  The trainer catches it around a step and recovers as for a ``mid`` event.
-  """
-
-  def __init__(self, replica: int, slot: int):
-    super().__init__(f"device of replica {replica} slot {slot} failed")
-    self.replica, self.slot = replica, slot
-
-
-def parse_events(text: str, kind: str, *, dp: int, tp: int, steps: int) -> list[Event]:
-  """``ntp.fail_at`` / ``ntp.repair_at`` text -> events.
-
-  Syntax: ``STEP@REPLICA:SLOT`` items separated by commas; ``STEP.mid@...``
-  (failures only) strikes inside the step. Example: ``"20@0:3,25.mid@1:0"``.
-
-  Raises:
-    ConfigError: naming the field, for a malformed item, a replica or slot
-      that does not exist, or a step outside ``[0, train.steps)``.
-  """
-  field = "ntp.fail_at" if kind == "fail" else "ntp.repair_at"
-  events = []
-  for item in filter(None, (i.strip() for i in str(text).split(","))):
-    match = re.fullmatch(r"(\d+)(\.mid)?@(\d+):(\d+)", item)
-    if not match:
-      raise ConfigError(f"{field}: {item!r} is not STEP@REPLICA:SLOT (e.g. '20@0:3'"
-                        f"{', or 20.mid@0:3' if kind == 'fail' else ''})")
-    step, mid, replica, slot = int(match[1]), bool(match[2]), int(match[3]), int(match[4])
-    if mid and kind == "repair":
-      raise ConfigError(f"{field}: {item!r}: a repair happens between steps, not '.mid'")
-    if replica >= dp:
-      raise ConfigError(f"{field}: replica {replica} in {item!r} does not exist (mesh.dp={dp})")
-    if slot >= tp:
-      raise ConfigError(f"{field}: slot {slot} in {item!r} does not exist (mesh.tp={tp})")
-    if step >= steps:
-      raise ConfigError(f"{field}: step {step} in {item!r} is past train.steps={steps}")
-    events.append(Event(step, mid, kind, replica, slot))
-  return events
-
-
-def check_events(events: Iterable[Event], failed: set[tuple[int, int]], tp: int, dp: int) -> None:
-  """Replay the events over the launch failures: each must change the set.
-
-  Raises:
-    ConfigError: naming ``ntp.fail_at`` for a slot already dead, or
-      ``ntp.repair_at`` for a slot that is live; or every slot of the job
-      failed.
-  """
-  failed = set(failed)
-  for event in sorted(events):
-    pair = (event.replica, event.slot)
-    if event.kind == "fail":
-      if pair in failed:
-        raise ConfigError(f"ntp.fail_at: {event.describe()}: replica {event.replica} slot "
-                          f"{event.slot} is already failed at step {event.step}")
-      failed.add(pair)
-      if len(failed) == tp * dp:
-        raise ConfigError(f"ntp.fail_at: {event.describe()} fails the last live slot of the job")
-    else:
-      if pair not in failed:
-        raise ConfigError(f"ntp.repair_at: {event.describe()}: replica {event.replica} slot "
-                          f"{event.slot} is live at step {event.step}; only a failed slot "
-                          "can be repaired")
-      failed.discard(pair)
-
-
-def failed_text(failed: set[tuple[int, int]]) -> str:
-  """``{(1, 2), (0, 3)}`` -> ``"0:3,1:2"`` (``ntp.failed`` syntax)."""
-  return ",".join(f"{r}:{s}" for r, s in sorted(failed))
 
 
 def poison(programs: list, dead: set[jax.Device]) -> None:

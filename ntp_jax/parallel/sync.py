@@ -42,15 +42,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.collectives import (
+from ntp_jax.layers.params import TPParam
+from ntp_jax.parallel.regroup import Regroup, choose_regroup, equal_regroup
+from ntp_jax.sharding.collectives import (
   copy_shared_from_last,
   reshard_uneven,
   slot_position,
   tp_sum,
 )
-from ntp_jax.layers.params import TPParam
-from ntp_jax.layout import Layout, apportion, owner_layout
-from ntp_jax.regroup import Regroup, choose_regroup, equal_regroup
+from ntp_jax.sharding.layout import Layout, apportion, owner_layout
 
 REPLICA = "replica"  # axis of the sync mesh: every live replica
 PEER = "peer"  # axis of the sync mesh: core slot position (peer group)

@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 
 from ntp_jax.errors import ConfigError
-from ntp_jax.placement import LogicalSource
+from ntp_jax.state.placement import LogicalSource
 
 Layouts = Any  # a model's layouts of one TP group; must be hashable and have ``degree``
 
@@ -49,15 +49,18 @@ class ModelSpec:
       loop (XLA's cost analysis counts a loop body once; see
       ``footprint.per_device_flops``), or None.
     name: for logs.
-    initial_source: ``() -> LogicalSource`` (``ntp_jax.placement``) of the
+    initial_source: ``() -> LogicalSource`` (``ntp_jax.state.placement``) of the
       parameters a fresh run starts from (no checkpoint to resume, or a
       restart before the first checkpoint) instead of ``make``'s own
-      initialisation, e.g. ``models.hf_llama.HFSource``; None: ``make``'s.
+      initialisation, e.g. ``ntp_jax.interop.hf_llama.HFSource``; None: ``make``'s.
       Called when needed (once per start or restart); a ``describe() -> str``
       method on the source, if any, gives the trainer's log line.
     tokenizer_file: a ``tokenizers`` JSON file (``tokenizer.json``) the
       training text is encoded with instead of a BPE trained on the corpus
       (``ntp_jax.data.make_dataset``'s ``tokenizer_path``); None trains one.
+    export_hf: ``(logical_params, folder, *, max_position_embeddings) -> None``
+      writes the model's logical parameters as a Hugging Face folder
+      (``python -m ntp_jax.interop.export_hf``), or None: no such format.
   """
 
   layouts: Callable[[int, Sequence[int], Sequence[float] | None], Layouts]
@@ -70,6 +73,7 @@ class ModelSpec:
   name: str = "model"
   initial_source: Callable[[], LogicalSource] | None = None
   tokenizer_file: str | None = None
+  export_hf: Callable[..., None] | None = None
 
 
 def load_model_spec(config) -> ModelSpec:

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ntp_jax.replica_class import ClassProgram, JobStep, abstract_sync_blocks
+from ntp_jax.parallel.replica_class import ClassProgram, JobStep, abstract_sync_blocks
 
 
 def compiled_flops(lowered: Any) -> float:

@@ -3,7 +3,7 @@
 A checkpoint of step ``N`` (the state after ``N`` optimizer steps) is an
 orbax ``CheckpointManager`` step folder with two items:
 
-- ``state``: the logical state (``ntp_jax.placement``): ``params`` and
+- ``state``: the logical state (``ntp_jax.state.placement``): ``params`` and
   ``opt_state`` as arrays of real global shapes, one copy, no padding, no
   replica axis, shared units once; written by orbax's standard handler
   (tensorstore / zarr), so plain orbax reads it with any device count.
@@ -29,7 +29,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from ntp_jax.errors import ConfigError
-from ntp_jax.placement import Path, flatten, nest
+from ntp_jax.state.placement import Path, flatten, nest
 
 FORMAT_VERSION = 1
 STATE = "state"
