@@ -66,24 +66,25 @@ def main(argv):
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config is required, e.g. --config configs/gpt_tiny.py")
+  # These import JAX; its backend starts later, reading XLA_FLAGS.
   from ntp_jax.errors import ConfigError
-  from ntp_jax.parallel import (
-    distributed,  # imports JAX; its backend starts later, reading XLA_FLAGS
-  )
+  from ntp_jax.parallel import distributed
+  from ntp_jax.train.config import RunConfig
   try:
-    processes = distributed.processes_in_config(config)
+    run_config = RunConfig.from_config(config)  # every field checked once, here
+    processes = distributed.processes_in_config(run_config.distributed)
   except ConfigError as err:
     print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
   # Several processes (ntp_jax.launch, SLURM, ...) share the devices of the job.
-  simulate_cpu_devices(max(1, int(config.mesh.dp) * int(config.mesh.tp) // processes))
+  simulate_cpu_devices(max(1, run_config.mesh.devices // processes))
 
   from ntp_jax.data import DataError
   from ntp_jax.train.trainer import train
   job = None
   try:
-    job = distributed.join(config)
-    train(config)
+    job = distributed.join(run_config.distributed)
+    train(run_config)
   except (ConfigError, DataError) as err:
     print(f"error: {err}", file=sys.stderr)
     _exit(job, 2)

@@ -233,7 +233,7 @@ def hf_folder(model_cfg) -> str | None:
   Raises:
     ConfigError: naming ``model.init_from``: another scheme, or no such folder.
   """
-  init_from = model_cfg.get("init_from", "") or ""
+  init_from = model_cfg.init_from
   if not init_from:
     return None
   if not init_from.startswith(HF_PREFIX):

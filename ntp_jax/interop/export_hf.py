@@ -85,14 +85,18 @@ def export_checkpoint(directory: str, out: str, step: int | None = None) -> int:
     if "model" not in config:
       raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its metadata holds no "
                             "model config")
+    factory = config["model"].get("factory")
+    if not factory:
+      raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its config names no "
+                            "model.factory")
     try:  # the model its config names; init_from="hf:FOLDER" reads that folder's shape again
-      model = load_model_spec(ml_collections.ConfigDict(config))
+      model = load_model_spec(factory, ml_collections.ConfigDict(config))
     except ConfigError as err:
       raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its config: "
                             f"{err}") from None
     if model.export_hf is None:
       raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its model "
-                            f"({config['model'].get('factory')}) has no Hugging Face export")
+                            f"({factory}) has no Hugging Face export")
     params = read_params_on_host(checkpoints, step)
   finally:
     checkpoints.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -52,13 +53,13 @@ class Settings:
   processes_per_domain: int
 
 
-def _field(config, name, default):
-  section = config.get("distributed", None)
-  return default if section is None else section.get(name, default)
+def settings_from_config(distributed: Any, environ: dict[str, str] | None = None
+                         ) -> Settings | None:
+  """The multi-process settings of the ``distributed`` section, or None for one process.
 
-
-def settings_from_config(config, environ: dict[str, str] | None = None) -> Settings | None:
-  """The multi-process settings of ``config``, or None for a single-process run.
+  Args:
+    distributed: ``train.config.DistributedConfig`` (its ranges checked there).
+    environ: the environment (default ``os.environ``).
 
   Order: the config fields, then ``NTP_JAX_*`` (the local launcher), then a
   cluster launcher's environment (``srun`` with ``SLURM_STEP_NUM_TASKS`` > 1,
@@ -68,16 +69,11 @@ def settings_from_config(config, environ: dict[str, str] | None = None) -> Setti
     ConfigError: an incomplete or inconsistent setting, naming the field.
   """
   env = os.environ if environ is None else environ
-  coordinator = _field(config, "coordinator", "") or env.get(ENV_COORDINATOR, "")
-  num = int(_field(config, "num_processes", 0) or env.get(ENV_NUM_PROCESSES, 0) or 0)
-  pid = _field(config, "process_id", -1)
-  pid = int(env.get(ENV_PROCESS_ID, -1)) if pid is None or pid < 0 else int(pid)
-  timeout = float(_field(config, "heartbeat_timeout_s", 30.0))
-  per_domain = int(_field(config, "processes_per_domain", 1))
-  if timeout <= 0:
-    raise ConfigError(f"distributed.heartbeat_timeout_s: must be > 0, got {timeout}")
-  if per_domain < 1:
-    raise ConfigError(f"distributed.processes_per_domain: must be >= 1, got {per_domain}")
+  coordinator = distributed.coordinator or env.get(ENV_COORDINATOR, "")
+  num = int(distributed.num_processes or env.get(ENV_NUM_PROCESSES, 0) or 0)
+  pid = distributed.process_id
+  pid = int(env.get(ENV_PROCESS_ID, -1)) if pid < 0 else pid
+  timeout, per_domain = distributed.heartbeat_timeout_s, distributed.processes_per_domain
   if coordinator or num > 1:
     if not coordinator:
       raise ConfigError("distributed.coordinator: required with distributed.num_processes="
@@ -102,9 +98,11 @@ def _cluster_processes(env) -> int:
   return max([int(env.get(v) or 1) for v in CLUSTER_PROCESS_COUNTS])
 
 
-def processes_in_config(config, environ: dict[str, str] | None = None) -> int:
-  """How many processes the run will have, as far as known before JAX starts (1 if unknown)."""
-  settings = settings_from_config(config, environ)
+def processes_in_config(distributed: Any, environ: dict[str, str] | None = None) -> int:
+  """How many processes the run will have, as far as known before JAX starts (1 if unknown).
+
+  ``distributed``: ``train.config.DistributedConfig``."""
+  settings = settings_from_config(distributed, environ)
   if settings is None:
     return 1
   if settings.num_processes is not None:
@@ -186,8 +184,9 @@ class Job:
 _JOINED: Job | None = None
 
 
-def join(config) -> Job:
-  """Start ``jax.distributed`` if ``config`` asks for several processes, and the heartbeat.
+def join(distributed: Any) -> Job:
+  """Start ``jax.distributed`` if the ``distributed`` section (``DistributedConfig``) or the
+  environment asks for several processes, and the heartbeat.
 
   Must run before any JAX computation; a second call returns the same
   ``Job``. A single-process config returns ``Job()`` and touches nothing.
@@ -198,7 +197,7 @@ def join(config) -> Job:
   global _JOINED
   if _JOINED is not None:
     return _JOINED
-  settings = settings_from_config(config)
+  settings = settings_from_config(distributed)
   if settings is None:
     return Job()
   initialize(settings)

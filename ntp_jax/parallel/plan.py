@@ -15,15 +15,13 @@ Source: Arfeen et al., arXiv:2504.06095, Sec. 4.
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.sharding.layout import live_slots as live_slots_of
 
-REBALANCE = ("proportional", "equal")
+REBALANCE = ("proportional", "equal")  # batch-share policies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,67 +125,9 @@ class Plan:
     return [[(r.replica, r.live_slots[j]) for r in self.replicas] for j in range(self.t_min)]
 
 
-def parse_failed(text: str, dp: int, tp: int) -> dict[int, tuple[int, ...]]:
-  """``ntp.failed`` -> failed slots per replica.
-
-  Accepts ``""``, bare slots of replica 0 (``"3"``, ``"3,5"``) and
-  ``replica:slot`` pairs (``"1:3"``, ``"0:2,1:5,1:6"``), mixed freely.
-
-  Raises:
-    ConfigError: a malformed item, an unknown replica or slot, a duplicated pair.
-  """
-  text = str(text).strip()
-  failed: dict[int, list[int]] = {}
-  if not text:
-    return {}
-  for item in text.split(","):
-    item = item.strip()
-    match = re.fullmatch(r"(?:(\d+):)?(\d+)", item)
-    if not match:
-      raise ConfigError(f"ntp.failed: {item!r} is not a slot ('3') or a replica:slot pair "
-                        f"('1:3'); got {text!r}")
-    replica = int(match.group(1) or 0)
-    slot = int(match.group(2))
-    if replica >= dp:
-      raise ConfigError(f"ntp.failed: replica {replica} in {item!r} does not exist "
-                        f"(mesh.dp={dp})")
-    if slot >= tp:
-      raise ConfigError(f"ntp.failed: slot {slot} in {item!r} does not exist (mesh.tp={tp})")
-    if slot in failed.get(replica, []):
-      raise ConfigError(f"ntp.failed: replica {replica} slot {slot} is listed twice in {text!r}")
-    failed.setdefault(replica, []).append(slot)
-  return {r: tuple(sorted(s)) for r, s in sorted(failed.items())}
-
-
-def parse_weights(text: str, tp: int) -> tuple[float, ...] | None:
-  """``ntp.slot_weights`` -> one relative speed per slot, or None (equal).
-
-  Raises:
-    ConfigError: naming ``ntp.slot_weights``: not numbers, not ``mesh.tp`` of
-      them, a negative or non-finite weight, or all zero.
-  """
-  text = str(text).strip()
-  if not text:
-    return None
-  try:
-    weights = tuple(float(w) for w in text.split(","))
-  except ValueError:
-    raise ConfigError(f"ntp.slot_weights: {text!r} is not a comma-separated list of "
-                      "numbers") from None
-  if len(weights) != tp:
-    raise ConfigError(f"ntp.slot_weights: {len(weights)} weights given, mesh.tp={tp} slots "
-                      "need one each")
-  if not all(math.isfinite(w) for w in weights):
-    raise ConfigError(f"ntp.slot_weights: weights must be finite, got {text!r}")
-  if any(w < 0 for w in weights):
-    raise ConfigError(f"ntp.slot_weights: weights must be >= 0, got {text!r}")
-  if not any(w > 0 for w in weights):
-    raise ConfigError(f"ntp.slot_weights: at least one weight must be positive, got {text!r}")
-  return weights
-
-
 def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None], Any], *,
-              tp: int, dp: int, failed: str = "", slot_weights: str = "", batch_size: int,
+              tp: int, dp: int, failed: Collection[tuple[int, int]] = (),
+              slot_weights: Sequence[float] | None = None, batch_size: int,
               rebalance: str = "proportional") -> Plan:
   """Plan a job of ``dp`` replicas x ``tp`` slots after the given failures.
 
@@ -195,33 +135,37 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
     make_layouts: ``(tp, failed_slots, weights) -> layouts`` of the model for
       one TP group (e.g. ``functools.partial(models.gpt.model_layouts, cfg)``).
     tp, dp: ``mesh.tp``, ``mesh.dp``.
-    failed: ``ntp.failed`` text (see ``parse_failed``).
-    slot_weights: ``ntp.slot_weights`` text (see ``parse_weights``).
+    failed: the failed ``(replica, slot)`` pairs (``ntp.failed`` parsed by
+      ``train.config.parse_failed``, plus the events so far).
+    slot_weights: one relative speed per slot (``ntp.slot_weights``), or None: equal.
     batch_size: ``train.batch_size``, sequences per step of the healthy job.
     rebalance: ``ntp.rebalance``: ``proportional`` (share ~ degree / tp) or ``equal``.
 
-  Every setting is checked here, so ``make_layouts`` (whose errors about its
-  own arguments are ``ValueError``s, see ``ntp_jax.sharding.layout``) only sees valid
-  slots and weights.
+  The settings themselves are checked once, in ``train.config``; this checks
+  what depends on the failure state, which changes while a job runs.
 
   Raises:
-    ConfigError: one line naming the field: bad settings; every replica
-      dropped; a replica whose live slots all have weight 0; a batch that
-      does not split over the replicas.
+    ConfigError: every replica dropped; a replica whose live slots all have
+      weight 0 (one line naming the field).
+    ValueError: arguments that ``train.config`` would have refused (naming
+      the argument): a size below 1, a batch that does not split over the
+      replicas, a pair outside the mesh, weights not one per slot.
   """
-  if dp < 1:
-    raise ConfigError(f"mesh.dp: must be >= 1, got {dp}")
-  if tp < 1:
-    raise ConfigError(f"mesh.tp: must be >= 1, got {tp}")
+  if dp < 1 or tp < 1 or batch_size < 1:
+    raise ValueError(f"make_plan: tp, dp and batch_size must be >= 1, got {tp}, {dp}, "
+                     f"{batch_size}")
   if rebalance not in REBALANCE:
-    raise ConfigError(f"ntp.rebalance: {rebalance!r} is not one of {', '.join(REBALANCE)}")
-  if batch_size < 1:
-    raise ConfigError(f"train.batch_size: must be >= 1, got {batch_size}")
+    raise ValueError(f"make_plan: rebalance {rebalance!r} is not one of {', '.join(REBALANCE)}")
   if batch_size % dp:
-    raise ConfigError(f"train.batch_size: {batch_size} sequences do not split evenly over "
-                      f"mesh.dp={dp} replicas")
-  failed_by_replica = parse_failed(failed, dp, tp)
-  weights = parse_weights(slot_weights, tp)
+    raise ValueError(f"make_plan: batch_size {batch_size} does not split over {dp} replicas")
+  if any(not (0 <= r < dp and 0 <= s < tp) for r, s in failed):
+    raise ValueError(f"make_plan: failed {sorted(failed)} holds a pair outside {dp} x {tp}")
+  if slot_weights is not None and len(slot_weights) != tp:
+    raise ValueError(f"make_plan: {len(slot_weights)} slot weights for {tp} slots")
+  weights = None if slot_weights is None else tuple(slot_weights)
+  failed_by_replica: dict[int, tuple[int, ...]] = {}
+  for r, s in sorted(failed):
+    failed_by_replica[r] = failed_by_replica.get(r, ()) + (s,)
   healthy_share = batch_size // dp
 
   live_by_replica, dropped = {}, []
@@ -231,12 +175,13 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
     else:
       live_by_replica[r] = live_slots_of(tp, failed_by_replica.get(r, ()))
   if not live_by_replica:
-    raise ConfigError(f"ntp.failed: every slot of every replica failed ({failed!r}); "
-                      "no replica is left to train")
+    raise ConfigError(f"ntp.failed: every slot of every replica failed "
+                      f"({format_failed(failed)!r}); no replica is left to train")
   for r, slots in live_by_replica.items():
     if weights is not None and not any(weights[s] > 0 for s in slots):
       raise ConfigError(f"ntp.slot_weights: replica {r}'s live slots "
-                        f"{','.join(map(str, slots))} all have weight 0 ({slot_weights!r})")
+                        f"{','.join(map(str, slots))} all have weight 0 "
+                        f"({','.join(f'{w:g}' for w in weights)})")
 
   # Shares follow the degree relative to the fastest live replica: t/T beside a
   # healthy replica; a lone (or all-reduced) job keeps its full batch.
@@ -264,3 +209,8 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
   return Plan(tp=tp, dp=dp, replicas=tuple(sorted(replicas, key=lambda r: r.replica)),
               dropped=tuple(dropped), classes=tuple(classes), rebalance=rebalance,
               logical_layouts=make_layouts(1, (), None))
+
+
+def format_failed(failed: Collection[tuple[int, int]]) -> str:
+  """``{(1, 2), (0, 3)}`` -> ``"0:3,1:2"`` (``ntp.failed`` syntax)."""
+  return ",".join(f"{r}:{s}" for r, s in sorted(failed))

@@ -101,8 +101,3 @@ def check_events(events: Iterable[Event], failed: set[tuple[int, int]], tp: int,
                           f"{event.slot} is live at step {event.step}; only a failed slot "
                           "can be repaired")
       failed.discard(pair)
-
-
-def failed_text(failed: set[tuple[int, int]]) -> str:
-  """``{(1, 2), (0, 3)}`` -> ``"0:3,1:2"`` (``ntp.failed`` syntax)."""
-  return ",".join(f"{r}:{s}" for r, s in sorted(failed))

@@ -10,9 +10,8 @@ live state onto the new plan (``ntp.recovery="live"``: from DP peers, see
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,14 +24,15 @@ from ntp_jax.parallel.replica_class import (
   build_class_programs,
   logical_state,
 )
-from ntp_jax.resilience.events import DeviceFailure, Event, failed_text
+from ntp_jax.resilience.events import DeviceFailure, Event
 from ntp_jax.resilience.goodput import GoodputClock
 from ntp_jax.state.checkpoint import CheckpointError
 from ntp_jax.state.peer import PeerSource, poison
 from ntp_jax.state.placement import LogicalSource
 from ntp_jax.state.sources import InitSource
 from ntp_jax.state.spanning import processes_without_pieces
-from ntp_jax.train.metrics import progress_line
+from ntp_jax.train.config import RunConfig
+from ntp_jax.train.hooks import Hook, StepInfo
 from ntp_jax.train.model_spec import default_loss
 
 
@@ -59,30 +59,31 @@ class TrainingRun:
   """State of a run between steps: plan, programs, step, data cursor, failed slots.
 
   Args:
-    config: the run config. make_plan: ``failed text -> Plan``.
+    config: the run's ``train.config.RunConfig``.
+    make_plan: ``failed (replica, slot) pairs -> Plan``.
     make_model: ``layouts -> module``. loss: ``ModelSpec.loss``.
-    eval_rows: held-out sequences (int32 ``[n, seq_len + 1]``) whose mean
-      loss is recorded as ``val_loss`` every ``train.eval_every`` steps.
-    on_record: called with every step record (e.g. a TensorBoard writer).
     optimizer: the optax transformation.
     devices: the job's devices (slot-major per replica).
     dataset: the training data (``sequences(cursor, count)``).
     checkpoints: a ``checkpoint.Checkpoints`` or None (off).
-    writer: ``metrics.MetricsWriter``. log: one-line logger.
+    writer: ``metrics.MetricsWriter`` (events: start, failure, recovery, ...).
+    log: one-line logger.
+    failed: the failed ``(replica, slot)`` pairs at the start.
+    hooks: ``hooks.Hook``s run around every step, in order.
     initial_source: ``ModelSpec.initial_source``: the parameters a fresh
       start, or a restart with no checkpoint, begins from; None: the
       model's own initialisation (``InitSource``).
   """
 
-  def __init__(self, config, *, make_plan: Callable[[str], Plan], make_model, optimizer, devices,
-               dataset, checkpoints, writer, log, failed: set[tuple[int, int]],
-               loss=default_loss, eval_rows: np.ndarray | None = None, on_record=None,
+  def __init__(self, config: RunConfig, *, make_plan: Callable[[frozenset], Plan], make_model,
+               optimizer, devices, dataset, checkpoints, writer, log,
+               failed: frozenset[tuple[int, int]], loss=default_loss,
+               hooks: Sequence[Hook] = (),
                initial_source: Callable[[], LogicalSource] | None = None):
     self.config = config
     self.initial_source = initial_source
     self.loss = loss
-    self.eval_rows = eval_rows
-    self.on_record = on_record
+    self.hooks = list(hooks)
     self.make_plan = make_plan
     self.make_model = make_model
     self.optimizer = optimizer
@@ -91,7 +92,7 @@ class TrainingRun:
     self.checkpoints = checkpoints
     self.writer = writer
     self.log = log
-    self.failed = set(failed)
+    self.failed = frozenset(failed)
     self.cache = ProgramCache()
     self.clock = GoodputClock()
     self.plan: Plan | None = None
@@ -158,7 +159,7 @@ class TrainingRun:
 
   def save(self) -> float:
     meta = {"data_cursor": self.cursor, "plan": self.plan.summary(),
-            "config": json.loads(self.config.to_json_best_effort())}
+            "config": self.config.to_json_dict()}
     start = time.perf_counter()  # the hold: the move to the even layout and the copy off
     self.checkpoints.save(self.step, logical_state(self.programs), meta)
     held = time.perf_counter() - start
@@ -170,16 +171,16 @@ class TrainingRun:
 
   def apply(self, events: list[Event]) -> None:
     """Change the failed set by ``events`` and move the job onto the new plan."""
-    before = set(self.failed)
+    before = self.failed
     for event in events:
-      pair = (event.replica, event.slot)
-      (self.failed.add if event.kind == "fail" else self.failed.discard)(pair)
+      pair = frozenset({(event.replica, event.slot)})
+      self.failed = self.failed | pair if event.kind == "fail" else self.failed - pair
       self.marks.append({"step": self.step, "kind": event.kind, "label": event.describe()})
       self.writer.event(event.kind, step=self.step, replica=event.replica, slot=event.slot,
                         mid=event.mid)
     dead = {self.devices[r * self.plan.tp + s] for r, s in self.failed - before}
     start = time.perf_counter()
-    plan = self.make_plan(failed_text(self.failed))
+    plan = self.make_plan(self.failed)
     dropped = "".join(f", replica {r} dropped (no live slot)" for r in plan.dropped)
     redo = "; step cut after its gradients, redone" if any(e.mid for e in events) else ""
     self.log(f"step {self.step}: {', '.join(e.describe() for e in events)} -> TP degrees "
@@ -243,7 +244,7 @@ class TrainingRun:
     self.redone_steps += 1
 
   def run_step(self, steps: int) -> dict[str, Any]:
-    """One optimizer step of the current plan; returns its metrics record."""
+    """One optimizer step of the current plan, then its hooks; returns its metrics record."""
     plan = self.plan
     degrees = [r.degree for r in plan.replicas]
     tokens = plan.global_batch * self.config.train.seq_len
@@ -273,50 +274,49 @@ class TrainingRun:
       record["compiled"] = True
     self.step += 1
     self.furthest = max(self.furthest, self.step)
-    every = self.config.checkpoint.every
-    if self.checkpoints is not None and self.step % every == 0:
-      record["checkpoint_s"] = self.save()
-    every = self.config.train.get("eval_every", 0)
-    if self.eval_rows is not None and every and (self.step % every == 0 or self.step == steps):
-      with self.clock.timed("eval"):
-        record["val_loss"] = self.job_step.eval_loss(self.eval_rows)
-    record["goodput"] = self.clock.goodput()
-    record["effective_tokens_per_s"] = self.clock.effective_tokens_per_s()
-    self.writer.write(record)
     self.losses.append(loss)
     self.records.append(record)
-    if self.on_record is not None:
-      self.on_record(record)
-    if (record["step"] % self.config.train.log_every == 0 or self.step == steps
-        or "val_loss" in record):
-      self.log(progress_line(record, steps))
+    info = StepInfo(step=record["step"], done=self.step, total=steps, plan=plan, loss=loss,
+                    grad_norm=grad_norm, tokens=tokens, step_time_s=elapsed,
+                    compiled=compiled, record=record, run=self)
+    for hook in self.hooks:
+      if hook.due(info):
+        hook.on_step(info)
     return record
 
-  def train(self, steps: int, events: list[Event], stop, detector=None) -> None:
-    """Steps until ``steps`` or a stop signal, applying ``events`` at their steps.
+  def events_before(self, step: int) -> list[Event]:
+    """What the hooks report before ``step``: their events, and a ``DeviceFailure`` one
+    raises as a failure between steps."""
+    events = []
+    for hook in self.hooks:
+      try:
+        events += list(hook.before_step(self, step))
+      except DeviceFailure as failure:  # found before the step: a failure between steps
+        events.append(Event(step, False, "fail", failure.replica, failure.slot))
+    return events
 
-    Args:
-      detector: optional ``step -> list[Event]`` called before each step (a
-        failure detector's hook); a ``events.DeviceFailure`` raised by it
-        or by a step is handled as a failure inside that step.
+  def train(self, steps: int, events: Sequence[Event], stop) -> None:
+    """Steps until ``steps`` or a stop signal, applying ``events`` (and those the hooks
+    report, ``Hook.before_step``) at their steps; then every hook's ``on_end``.
+
+    A ``events.DeviceFailure`` raised by a step is handled as a failure inside that step.
     """
     pending = sorted(events)
-    while self.step < steps and not stop.due(self.step):
-      due = [e for e in pending if e.step == self.step]
-      if detector is not None:
+    try:
+      while self.step < steps and not stop.due(self.step):
+        due = [e for e in pending if e.step == self.step] + self.events_before(self.step)
+        between = [e for e in due if not e.mid]
+        if between:
+          self.apply(between)
+        inside = [e for e in due if e.mid]
+        if inside:
+          self.discard_step()
+          self.apply(inside)
+        pending = [e for e in pending if e not in due]
         try:
-          due += list(detector(self.step))
-        except DeviceFailure as failure:  # found before the step: a failure between steps
-          due.append(Event(self.step, False, "fail", failure.replica, failure.slot))
-      between = [e for e in due if not e.mid]
-      if between:
-        self.apply(between)
-      inside = [e for e in due if e.mid]
-      if inside:
-        self.discard_step()
-        self.apply(inside)
-      pending = [e for e in pending if e not in due]
-      try:
-        self.run_step(steps)
-      except DeviceFailure as failure:
-        self.apply([Event(self.step, True, "fail", failure.replica, failure.slot)])
+          self.run_step(steps)
+        except DeviceFailure as failure:
+          self.apply([Event(self.step, True, "fail", failure.replica, failure.slot)])
+    finally:
+      for hook in self.hooks:
+        hook.on_end(self)

@@ -76,25 +76,26 @@ class ModelSpec:
   export_hf: Callable[..., None] | None = None
 
 
-def load_model_spec(config) -> ModelSpec:
-  """The ``ModelSpec`` of ``config.model.factory`` (``"module:function"``) for ``config``.
+def load_model_spec(factory: str, config: Any) -> ModelSpec:
+  """The ``ModelSpec`` that ``factory`` (``"module:function"``, ``model.factory``) makes
+  of ``config`` (the run's ``ConfigDict``: the factory reads its ``model`` section).
 
   Raises:
     ConfigError: naming ``model.factory`` when it is malformed, cannot be
       imported, or does not return a ``ModelSpec``.
   """
-  name = config.model.get("factory", "models.gpt:model_spec")
-  module_name, _, function = name.partition(":")
+  module_name, _, function = factory.partition(":")
   if not module_name or not function:
-    raise ConfigError(f"model.factory: {name!r} is not 'package.module:function'")
+    raise ConfigError(f"model.factory: {factory!r} is not 'package.module:function'")
   try:
     module = importlib.import_module(module_name)
   except ImportError as err:
     raise ConfigError(f"model.factory: cannot import {module_name!r} ({err})") from None
-  factory = getattr(module, function, None)
-  if factory is None:
+  make = getattr(module, function, None)
+  if make is None:
     raise ConfigError(f"model.factory: {module_name!r} has no {function!r}")
-  spec = factory(config)
+  spec = make(config)
   if not isinstance(spec, ModelSpec):
-    raise ConfigError(f"model.factory: {name} returned {type(spec).__name__}, not a ModelSpec")
+    raise ConfigError(f"model.factory: {factory} returned {type(spec).__name__}, "
+                      "not a ModelSpec")
   return spec

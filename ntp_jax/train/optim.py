@@ -19,30 +19,23 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from ntp_jax.errors import ConfigError
 from ntp_jax.layers.params import TPParam
+from ntp_jax.train.config import TrainConfig
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
-  """AdamW from the ``train`` config section (``lr``, ``warmup_steps``, ``steps``,
-  ``min_lr_ratio``, ``b1``, ``b2``, ``weight_decay``); clipping is separate.
-
-  Raises:
-    ConfigError: naming the field, for a negative learning rate, clip norm,
-      weight decay, or fewer than one step.
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+  """AdamW from the ``train`` section (``lr``, ``warmup_steps``, ``steps``,
+  ``min_lr_ratio``, ``b1``, ``b2``, ``weight_decay``; checked by
+  ``train.config``): linear warmup to ``lr``, cosine decay to
+  ``lr * min_lr_ratio`` at ``steps``. Clipping is separate
+  (``clip_by_logical_norm``).
   """
-  for name in ("lr", "clip_norm", "weight_decay"):
-    if train_cfg[name] < 0:
-      raise ConfigError(f"train.{name}: must be >= 0, got {train_cfg[name]}")
-  if train_cfg.steps < 1:
-    raise ConfigError(f"train.steps: must be >= 1, got {train_cfg.steps}")
-  warmup = min(train_cfg.warmup_steps, train_cfg.steps)
+  warmup = min(train.warmup_steps, train.steps)
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=train_cfg.lr, warmup_steps=warmup,
-      decay_steps=max(train_cfg.steps, warmup + 1),
-      end_value=train_cfg.lr * train_cfg.min_lr_ratio)
-  return optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2, eps=1e-8,
-                     weight_decay=train_cfg.weight_decay, mask=decay_mask)
+      init_value=0.0, peak_value=train.lr, warmup_steps=warmup,
+      decay_steps=max(train.steps, warmup + 1), end_value=train.lr * train.min_lr_ratio)
+  return optax.adamw(schedule, b1=train.b1, b2=train.b2, eps=1e-8,
+                     weight_decay=train.weight_decay, mask=decay_mask)
 
 
 def decay_mask(params: nnx.State) -> nnx.State:

@@ -1,0 +1,209 @@
+"""Step hooks: what runs around each training step, the trainer's defaults included.
+
+The loop (``train.loop.TrainingRun``) runs a step and hands a ``StepInfo``
+to each hook in order; a hook acts when it is ``due`` (by default every
+``every`` steps done). Before a step, ``before_step`` lets a hook report
+failures (``resilience.events.Event``s, or raise ``events.DeviceFailure``).
+At the end of the run ``on_end`` runs once.
+
+The trainer's own work comes as default hooks, in this order: checkpoint,
+validation, goodput, metrics file, TensorBoard, progress line; a failure
+detector, when given, is a hook too. A hook may add fields to
+``info.record`` (the step's metrics record, written by ``MetricsHook``), so
+hooks that add fields come before the ones that write them. Hooks a user
+passes (``train(config, hooks=[...])``) run after the defaults and see the
+complete record. Pattern as in levanter's ``TrainerHooks``; code our own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ntp_jax.parallel.plan import Plan
+from ntp_jax.resilience.events import Event
+from ntp_jax.train.metrics import MetricsWriter, TensorBoardWriter, progress_line
+
+if TYPE_CHECKING:  # annotations only: the loop imports this module
+  from ntp_jax.train.loop import TrainingRun
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+  """One finished optimizer step, as hooks see it.
+
+  Attributes:
+    step: index of the step just run (0-based; ``record["step"]``).
+    done: steps done after it (``step + 1``): a checkpoint of ``done`` resumes after it.
+    total: ``train.steps``.
+    plan: the plan the step ran on.
+    loss: the job's mean next-token loss of the step (float32, nats per token).
+    grad_norm: the global gradient norm before clipping.
+    tokens: predicted tokens in the step (global batch x ``train.seq_len``).
+    step_time_s: wall seconds of the step (compilation included when ``compiled``).
+    compiled: the step compiled its programs (the first step of a plan not seen before).
+    record: the metrics record of the step; hooks may add fields to it.
+    run: the run (programs, goodput clock, checkpoints), for hooks that need its state.
+  """
+
+  step: int
+  done: int
+  total: int
+  plan: Plan
+  loss: float
+  grad_norm: float
+  tokens: int
+  step_time_s: float
+  compiled: bool
+  record: dict[str, Any]
+  run: TrainingRun = dataclasses.field(repr=False)
+
+  @property
+  def last(self) -> bool:
+    return self.done == self.total
+
+
+class Hook:
+  """A hook on step events; subclass and override what you need.
+
+  Attributes:
+    every: ``on_step`` runs after every ``every``-th step done (``done %
+      every == 0``); 0 never (``due`` may say otherwise).
+  """
+
+  every: int = 1
+
+  def due(self, info: StepInfo) -> bool:
+    return self.every > 0 and info.done % self.every == 0
+
+  def before_step(self, run: TrainingRun, step: int) -> Sequence[Event]:
+    """Failures or repairs to apply before step ``step`` (default: none).
+
+    May raise ``events.DeviceFailure`` for a device found dead.
+    """
+    return ()
+
+  def on_step(self, info: StepInfo) -> None:
+    """Called after a step when ``due(info)``."""
+
+  def on_end(self, run: TrainingRun) -> None:
+    """Called once when the run's loop ends (the last step, or a stop)."""
+
+
+class FunctionHook(Hook):
+  """``fn(info)`` every ``every`` steps: a plain function as a hook."""
+
+  def __init__(self, fn: Callable[[StepInfo], Any], every: int = 1):
+    self.fn, self.every = fn, every
+
+  def on_step(self, info: StepInfo) -> None:
+    self.fn(info)
+
+
+def as_hook(hook: Hook | Callable[[StepInfo], Any]) -> Hook:
+  """A ``Hook`` as it is; a callable as ``FunctionHook(fn)`` (every step).
+
+  Raises:
+    TypeError: neither a ``Hook`` nor callable.
+  """
+  if isinstance(hook, Hook):
+    return hook
+  if callable(hook):
+    return FunctionHook(hook)
+  raise TypeError(f"hooks: {hook!r} is neither a train.hooks.Hook nor a function of StepInfo")
+
+
+# -- the trainer's defaults ---------------------------------------------------------------------
+
+
+class CheckpointHook(Hook):
+  """Saves the state every ``checkpoint.every`` steps; adds ``checkpoint_s`` (the save's hold)."""
+
+  def __init__(self, every: int):
+    self.every = every
+
+  def on_step(self, info: StepInfo) -> None:
+    info.record["checkpoint_s"] = info.run.save()
+
+
+class EvalHook(Hook):
+  """Mean loss of fixed held-out ``rows`` every ``train.eval_every`` steps and after the
+  last; adds ``val_loss``. The time counts in the goodput bucket ``eval``.
+
+  Args:
+    rows: int32 ``[n, seq_len + 1]`` held-out sequences (the same set every time).
+  """
+
+  def __init__(self, rows: np.ndarray, every: int):
+    self.rows, self.every = rows, every
+
+  def due(self, info: StepInfo) -> bool:
+    return self.every > 0 and (info.done % self.every == 0 or info.last)
+
+  def on_step(self, info: StepInfo) -> None:
+    with info.run.clock.timed("eval"):
+      info.record["val_loss"] = info.run.job_step.eval_loss(self.rows)
+
+
+class GoodputHook(Hook):
+  """Adds ``goodput`` and ``effective_tokens_per_s`` (``resilience.goodput``) to each record."""
+
+  def on_step(self, info: StepInfo) -> None:
+    info.record["goodput"] = info.run.clock.goodput()
+    info.record["effective_tokens_per_s"] = info.run.clock.effective_tokens_per_s()
+
+
+class MetricsHook(Hook):
+  """Appends each step's record to ``metrics.jsonl`` (``metrics.MetricsWriter``)."""
+
+  def __init__(self, writer: MetricsWriter):
+    self.writer = writer
+
+  def on_step(self, info: StepInfo) -> None:
+    self.writer.write(info.record)
+
+
+class TensorBoardHook(Hook):
+  """Each record's scalars as TensorBoard events (``train.tensorboard``)."""
+
+  def __init__(self, board: TensorBoardWriter):
+    self.board = board
+
+  def on_step(self, info: StepInfo) -> None:
+    self.board.write(info.record)
+
+  def on_end(self, run: TrainingRun) -> None:
+    self.board.close()
+
+
+class ProgressHook(Hook):
+  """A progress line every ``train.log_every`` steps (by step index: the first step, with
+  its compilation, is shown), after the last, and with every validation loss."""
+
+  def __init__(self, log: Callable[[str], None], every: int):
+    self.log, self.every = log, every
+
+  def due(self, info: StepInfo) -> bool:
+    return info.step % self.every == 0 or info.last or "val_loss" in info.record
+
+  def on_step(self, info: StepInfo) -> None:
+    self.log(progress_line(info.record, info.total))
+
+
+class DetectorHook(Hook):
+  """A failure detector: ``detector(step) -> [Event]`` before each step.
+
+  ``detector`` may raise ``events.DeviceFailure`` for a device found dead
+  (the loop treats it as a failure between steps).
+  """
+
+  every = 0
+
+  def __init__(self, detector: Callable[[int], Sequence[Event]]):
+    self.detector = detector
+
+  def before_step(self, run: TrainingRun, step: int) -> Sequence[Event]:
+    return list(self.detector(step))

@@ -1,0 +1,112 @@
+"""Where a run starts: the latest checkpoint (and what happened before it), or step 0.
+
+A checkpoint holds the step, the data cursor (sequences consumed), the plan
+it was written under and the config (``state.checkpoint``). Resuming checks
+that the cursor still means the same sequences, replays the events before
+the resumed step onto the launch failures, and plans for the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from ntp_jax.errors import ConfigError
+from ntp_jax.parallel.plan import Plan
+from ntp_jax.resilience.events import Event
+from ntp_jax.state.checkpoint import Checkpoints
+from ntp_jax.state.placement import LogicalSource
+from ntp_jax.train.config import RunConfig
+
+# Fields that decide which sequences a data cursor means: another value changes the order.
+DATA_ORDER_FIELDS = (("train", "seed"), ("data", "path"), ("data", "max_corpus_bytes"),
+                     ("data", "val_fraction"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+  """Where the run starts.
+
+  Attributes:
+    step: the first step to run (0 for a fresh run).
+    cursor: sequences of the data walk consumed before it.
+    source: the checkpoint's state (``LogicalSource``), or None: a fresh start.
+    failed: the failed ``(replica, slot)`` pairs at ``step``: the launch
+      failures with the events before ``step`` applied.
+    events: the events still to come (at ``step`` or later).
+    plan: the plan for ``failed``.
+    done: the checkpoint already reached ``train.steps``: nothing to run.
+  """
+
+  step: int
+  cursor: int
+  source: LogicalSource | None
+  failed: frozenset[tuple[int, int]]
+  events: tuple[Event, ...]
+  plan: Plan
+  done: bool = False
+
+
+def resume_point(config: RunConfig, checkpoints: Checkpoints | None, plan: Plan,
+                 make_plan: Callable[[frozenset], Plan], log) -> ResumePoint:
+  """From the latest checkpoint when there is one (and ``checkpoint.resume``), else step 0.
+
+  Raises:
+    ConfigError: naming ``train.seq_len`` when the checkpoint's differs (see
+      ``check_same_data``).
+  """
+  fresh = ResumePoint(0, 0, None, config.ntp.failed, config.ntp.events, plan)
+  if checkpoints is None or not config.checkpoint.resume:
+    return fresh
+  latest = checkpoints.latest_step()
+  if latest is None:
+    return fresh
+  meta = checkpoints.meta(latest)
+  check_same_data(config, meta, checkpoints.step_dir(latest), log)
+  log(f"resuming from step {latest} of {checkpoints.step_dir(latest)}")
+  log(f"  written under: {describe_written_plan(meta['plan'])}")
+  cursor, source = int(meta["data_cursor"]), checkpoints.source(latest)
+  if latest >= config.train.steps:
+    log(f"step {latest} already reached train.steps={config.train.steps}; nothing to do")
+    return dataclasses.replace(fresh, step=latest, cursor=cursor, done=True)
+  # Events before the resumed step have happened: start from their failed set.
+  failed = set(config.ntp.failed)
+  for e in (e for e in config.ntp.events if e.step < latest):
+    (failed.add if e.kind == "fail" else failed.discard)((e.replica, e.slot))
+  failed = frozenset(failed)
+  return ResumePoint(latest, cursor, source, failed,
+                     tuple(e for e in config.ntp.events if e.step >= latest), make_plan(failed))
+
+
+def check_same_data(config: RunConfig, meta: dict[str, Any], where: str, log) -> None:
+  """The checkpoint's data position must mean the same sequences in this run.
+
+  Raises:
+    ConfigError: naming ``train.seq_len`` when it differs from the checkpoint's
+      (the cursor counts sequences of that length). Another seed, data path,
+      byte budget or vocabulary gets a one-line warning: the order changes.
+  """
+  written = meta.get("config", {})  # JSON as stored: older checkpoints may lack a field
+  old = written.get("train", {}).get("seq_len")
+  if old is not None and old != config.train.seq_len:
+    raise ConfigError(f"train.seq_len: the checkpoint {where} was written with train.seq_len="
+                      f"{old}; its data position counts sequences of that length (now "
+                      f"{config.train.seq_len}); resume with {old} or set "
+                      "checkpoint.resume=False")
+  now = {(s, f): getattr(getattr(config, s), f) for s, f in DATA_ORDER_FIELDS}
+  if "vocab_size" in config.source.model:  # the model factory's field, as configured
+    now[("model", "vocab_size")] = config.source.model["vocab_size"]
+  for (section, field), value in now.items():
+    before = written.get(section, {}).get(field)
+    if before is not None and before != value:
+      log(f"warning: {section}.{field} was {before!r} when {where} was written, now "
+          f"{value!r}: the data order differs from the first run")
+
+
+def describe_written_plan(summary: dict[str, Any]) -> str:
+  """One line for the plan a checkpoint was written under (``Plan.summary``)."""
+  replicas = "; ".join(f"replica {r['replica']}: TP degree {len(r['live_slots'])}, slots "
+                       f"{','.join(map(str, r['live_slots']))}" for r in summary["replicas"])
+  return (f"mesh.dp={summary['dp']} x mesh.tp={summary['tp']} ({replicas}), "
+          f"{summary['global_batch']} sequences per step")
