@@ -46,11 +46,13 @@ from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.replica_class import JobStep, build_class_programs, logical_state  # noqa: E402
 from ntp_jax.state.checkpoint import Checkpoints  # noqa: E402
+from ntp_jax.train.config import parse_failed  # noqa: E402
 from ntp_jax.train.optim import make_optimizer  # noqa: E402
 
 
 def build(cfg, config, failed="", source=None):
-  plan = make_plan(functools.partial(model_layouts, cfg), tp=8, dp=1, failed=failed,
+  plan = make_plan(functools.partial(model_layouts, cfg), tp=8, dp=1,
+                   failed=parse_failed(failed, 1, 8),
                    batch_size=config.train.batch_size)
   programs = build_class_programs(
       plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(0)), make_optimizer(config.train),

@@ -43,7 +43,7 @@ from ntp_jax.train.optim import make_optimizer  # noqa: E402
 
 
 def plan_of(cfg, config):
-  return make_plan(functools.partial(model_layouts, cfg), tp=8, dp=1, failed="",
+  return make_plan(functools.partial(model_layouts, cfg), tp=8, dp=1,
                    batch_size=config.train.batch_size)
 
 

@@ -30,7 +30,7 @@ from ``device.device_kind`` (vendor datasheet figures below); an unknown
 kind shows "-".
 
 Before building a job the plan's memory is checked from shapes
-(``ntp_jax.train.trainer.check_footprint``); a plan that does not fit, or an
+(``ntp_jax.train.resources.check_footprint``); a plan that does not fit, or an
 out-of-memory error from XLA, is reported as a row instead of stopping.
 """
 
@@ -54,8 +54,9 @@ from models.gpt import GPT, GPTConfig, count_params, gpt_spec, model_layouts
 from ntp_jax.layers import REMAT_POLICIES
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.replica_class import JobStep, build_class_programs
+from ntp_jax.train.config import parse_failed
 from ntp_jax.train.optim import make_optimizer
-from ntp_jax.train.trainer import ResourceError, check_footprint
+from ntp_jax.train.resources import ResourceError, check_footprint
 
 try:
   from tqdm import tqdm
@@ -106,7 +107,8 @@ def is_out_of_memory(error: Exception) -> bool:
 
 def build(cfg, config, failed, *, tp, devices):
   """The job of ``cfg`` on one TP group of ``tp`` slots (dp=1), as bench/ntp_vs_dropping.py."""
-  plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=1, failed=failed,
+  plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=1,
+                   failed=parse_failed(failed, 1, tp),
                    batch_size=config.train.batch_size)
   optimizer = make_optimizer(config.train)
   check_footprint(config, gpt_spec(cfg, config.train.seed), plan, optimizer, devices[:tp], log)

@@ -37,6 +37,7 @@ from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.parallel.cost import class_step_flops, own_shard_flops  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.replica_class import JobStep, build_class_programs  # noqa: E402
+from ntp_jax.train.config import parse_failed  # noqa: E402
 from ntp_jax.train.optim import make_optimizer  # noqa: E402
 
 SCENARIOS = [
@@ -49,7 +50,8 @@ TP, DP = 4, 2
 
 
 def build(cfg, config, failed, *, tp=TP, dp=DP, batch_size=None):
-  plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp, failed=failed,
+  plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp,
+                   failed=parse_failed(failed, dp, tp),
                    batch_size=batch_size or config.train.batch_size)
   optimizer = make_optimizer(config.train)
   programs = build_class_programs(

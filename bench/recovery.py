@@ -121,11 +121,11 @@ def main():
   with Stages(4, "recovery bench") as stages:
     stages.next("live")
     live = train(configure(args, os.path.join(base, "live"), **fail), **quiet)
-    live_s, live_event = time_to_productive(read_records(live["metrics_path"]), FAIL_STEP)
+    live_s, live_event = time_to_productive(read_records(live.metrics_path), FAIL_STEP)
     stages.next("restart in-process")
     restart = train(configure(args, os.path.join(base, "restart"), **fail,
                               **{"ntp.recovery": "restart"}), **quiet)
-    restart_s, restart_event = time_to_productive(read_records(restart["metrics_path"]),
+    restart_s, restart_event = time_to_productive(read_records(restart.metrics_path),
                                                   FAIL_STEP)
     stages.next("restart as a new process")
     process_s = process_restart(args, base)
@@ -133,7 +133,7 @@ def main():
     long_run = train(configure(args, os.path.join(base, "goodput"), **events), **quiet)
   config = configure(args, os.path.join(base, "live"))
   logical = 3 * 4 * count_params(GPTConfig.from_config(config.model))  # f32 params + 2 moments
-  buckets = long_run["goodput"]
+  buckets = long_run.goodput
   wall = sum(buckets.values())
   lines = [f"`python bench/recovery.py --config {os.path.relpath(args.config, ROOT)} "
            f"--batch {args.batch} --seq {args.seq} --goodput-steps {steps}` "
@@ -157,7 +157,7 @@ def main():
            f"{events['ntp.repair_at']}: goodput | {buckets['productive'] / wall:.3f} |",
            "| its wall time by bucket | " + ", ".join(
                f"{k} {v:.1f} s" for k, v in buckets.items() if v > 0) + " |",
-           f"| its programs | {long_run['cache'][0]} cache hit(s), {long_run['cache'][1]} "
+           f"| its programs | {long_run.cache[0]} cache hit(s), {long_run.cache[1]} "
            "compiled |"]
   emit(lines, args.out)
 

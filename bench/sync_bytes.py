@@ -28,6 +28,7 @@ from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.replica_class import abstract_params  # noqa: E402
 from ntp_jax.parallel.sync import sync_traffic  # noqa: E402
+from ntp_jax.train.config import parse_failed  # noqa: E402
 
 MIXES = [
     ("8 + 7", 8, 2, "1:3"),
@@ -55,7 +56,8 @@ def main():
     model = cfg
     if tp > 8:  # a 72-slot domain: finer MLP units so every slot holds some columns
       model = dataclasses.replace(cfg, ffn_granularity=64)
-    plan = make_plan(functools.partial(model_layouts, model), tp=tp, dp=dp, failed=failed,
+    plan = make_plan(functools.partial(model_layouts, model), tp=tp, dp=dp,
+                     failed=parse_failed(failed, dp, tp),
                      batch_size=dp)
     states = [abstract_params(lambda c=c, model=model: GPT(model, c.layouts, rngs=nnx.Rngs(0)))
               for c in plan.classes]

@@ -90,7 +90,7 @@ def measure(n_blocks: int, steps: int) -> tuple[int, int, float, float]:
   """(parameters, logical gradient elements, median host seconds in the sync, median step
   seconds) of ``n_blocks`` blocks of width ``D_FF * BLOCKS / n_blocks``."""
   layouts = functools.partial(mlp_layouts, D_FF * BLOCKS // n_blocks, VOCAB)
-  plan = make_plan(layouts, tp=4, dp=2, failed="1:2", batch_size=8)
+  plan = make_plan(layouts, tp=4, dp=2, failed={(1, 2)}, batch_size=8)
   make = lambda layouts: WideLM(layouts, n_blocks, rngs=nnx.Rngs(0))  # noqa: E731
   programs = build_class_programs(plan, make, optax.adamw(1e-3), 1.0, plan.global_batch * SEQ,
                                   jax.devices()[:8])

@@ -11,6 +11,7 @@ from models.gpt import GPT, GPTConfig, model_layouts
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.replica_class import JobStep, build_class_programs
 from ntp_jax.sharding.shard import replica_view, to_logical
+from ntp_jax.train.config import parse_failed, parse_weights
 
 # Uneven everywhere: 8 KV heads (16 query heads), d_ff 20 in units of 4, vocabulary 37.
 SMALL = GPTConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=4,
@@ -21,8 +22,10 @@ SEQ = 6
 def run_job(*, tp, dp, failed="", rebalance="equal", slot_weights="", batch_size=4, steps=3,
             optimizer=None, clip_norm=1.0, cfg=SMALL, seed=0):
   """Returns (losses, plan, [logical params of every live replica], [opt states])."""
-  plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp, failed=failed,
-                   slot_weights=slot_weights, batch_size=batch_size, rebalance=rebalance)
+  plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp,
+                   failed=parse_failed(failed, dp, tp),
+                   slot_weights=parse_weights(slot_weights, tp), batch_size=batch_size,
+                   rebalance=rebalance)
   # SGD with momentum and decoupled weight decay keeps parity checks tight: Adam divides
   # each gradient entry by its own magnitude, which amplifies rounding in near-zero entries.
   optimizer = optimizer or optax.chain(optax.add_decayed_weights(0.1),

@@ -13,12 +13,14 @@ from models.gpt import GPT, model_layouts
 from ntp_jax.parallel.cost import class_step_flops
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.replica_class import JobStep, build_class_programs
+from ntp_jax.train.config import parse_failed
 
 SEQ = 128  # enough tokens that per-step work dominates the per-parameter sync work
 
 
 def _job(cfg, tp, dp, failed, batch_size):
-  plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp, failed=failed,
+  plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp,
+                   failed=parse_failed(failed, dp, tp),
                    batch_size=batch_size)
   programs = build_class_programs(plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(0)),
                                   optax.adamw(1e-3), 1.0, plan.global_batch * SEQ,

@@ -23,20 +23,20 @@ def test_own_model_on_an_uneven_plan_equals_one_device(tmp_path):
               log=lambda *_: None)
   single = train(_config(tmp_path, **{"mesh.tp": 1, "train.steps": 12, "train.warmup_steps": 2}),
                  log=lambda *_: None)
-  assert [r.degree for r in ntp["plan"].replicas] == [3]
-  np.testing.assert_allclose(ntp["losses"], single["losses"], rtol=1e-4)
-  assert ntp["losses"][-1] < ntp["losses"][0] - 0.2  # it learns (7.62 -> 7.31 in 12 steps)
+  assert [r.degree for r in ntp.plan.replicas] == [3]
+  np.testing.assert_allclose(ntp.losses, single.losses, rtol=1e-4)
+  assert ntp.losses[-1] < ntp.losses[0] - 0.2  # it learns (7.62 -> 7.31 in 12 steps)
   # The programs hold the model's own parameters, not a GPT's.
   names = {"/".join(str(k) for k in path) for path, _ in
-           __import__("flax").nnx.to_flat_state(ntp["programs"][0].params)}
+           __import__("flax").nnx.to_flat_state(ntp.programs[0].params)}
   assert "mlp/gate/kernel" in names and not any(n.startswith("blocks") for n in names)
 
 
 def test_spec_given_directly_equals_the_factory_by_name(tmp_path):
   config = _config(tmp_path, **{"mesh.tp": 2, "train.steps": 3})
-  by_name = train(config, log=lambda *_: None)["losses"]
+  by_name = train(config, log=lambda *_: None).losses
   direct = train(tiny_config(tmp_path, **{"mesh.tp": 2, "train.steps": 3}),
-                 model=model_spec(config), log=lambda *_: None)["losses"]
+                 model=model_spec(config), log=lambda *_: None).losses
   assert by_name == direct
 
 

@@ -14,6 +14,7 @@ from test_train import ROOT, tiny_config
 
 import configs.gpt_8b
 from models.gpt import GPTConfig, count_params, gpt_spec
+from ntp_jax.train.config import RunConfig, parse_failed
 from ntp_jax.train.footprint import (
   abstract_program,
   class_footprints,
@@ -21,7 +22,8 @@ from ntp_jax.train.footprint import (
   host_memory_available,
 )
 from ntp_jax.train.optim import make_optimizer
-from ntp_jax.train.trainer import footprint, make_plan_from, train
+from ntp_jax.train.resources import footprint
+from ntp_jax.train.trainer import plan_for, train
 
 GIB = 2 ** 30
 
@@ -95,13 +97,19 @@ def _degraded_over_healthy(cfg) -> float:
   return degraded / healthy
 
 
+def plan_of(config, model, failed: str):
+  """The trainer's plan of ``config`` with ``failed`` (``ntp.failed`` text) for ``model``."""
+  run = RunConfig.from_config(config)
+  return plan_for(run, model, parse_failed(failed, run.mesh.dp, run.mesh.tp))
+
+
 def test_parameter_bytes_per_device_match_the_hand_count():
   config = configs.gpt_8b.get_config()
   cfg = GPTConfig.from_config(config.model)
   optimizer = make_optimizer(config.train)
   sizes = {}
   for failed in ("", "3"):
-    plan = make_plan_from(config, gpt_spec(cfg, 0), failed)
+    plan = plan_of(config, gpt_spec(cfg, 0), failed)
     program, _ = abstract_program(plan, plan.classes[0], gpt_spec(cfg, 0).make, optimizer,
                                   config.train.seq_len, jax.devices())
     sizes[failed] = device_bytes(program.params)
@@ -122,8 +130,8 @@ def test_dry_run_allocates_nothing_and_reports_every_class(tmp_path):
   config = _dry(tiny_config(tmp_path, **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2",
                                          "train.seq_len": 256}))
   summary = train(config, log=logged.append)
-  assert summary["dry_run"] and not os.listdir(tmp_path)  # no data, metrics or checkpoints
-  footprints = summary["footprints"]
+  assert summary.dry_run and not os.listdir(tmp_path)  # no data, metrics or checkpoints
+  footprints = summary.footprints
   assert [f.replica_class.degree for f in footprints] == [4, 3]
   assert all(f.temp > 0 and f.flops > 0 for f in footprints)
   assert "dry run: the devices can hold this plan" in logged
@@ -136,7 +144,7 @@ def test_full_remat_keeps_less_and_recomputes_more(tmp_path):
   for remat in ("none", "full"):
     cfg = dataclasses.replace(GPTConfig.from_config(config.model), remat=remat,
                               scan_layers=False)  # unrolled: cost analysis counts every layer
-    plan = make_plan_from(config, gpt_spec(cfg, 0), "")
+    plan = plan_of(config, gpt_spec(cfg, 0), "")
     figures[remat] = class_footprints(plan, gpt_spec(cfg, 0).make, *args)[0]
   plain, full = figures["none"], figures["full"]
   assert full.temp < plain.temp and full.flops > plain.flops
@@ -146,9 +154,10 @@ def test_full_remat_keeps_less_and_recomputes_more(tmp_path):
 def test_flops_extended_from_two_layers_equal_the_unrolled_model(tmp_path):
   config = tiny_config(tmp_path, **{"model.n_layers": 5, "mesh.tp": 4, "ntp.failed": "1"})
   cfg = GPTConfig.from_config(config.model)
-  plan = make_plan_from(config, gpt_spec(cfg, 0), "1")
+  plan = plan_of(config, gpt_spec(cfg, 0), "1")
   args = (make_optimizer(config.train), 1.0, config.train.seq_len, jax.devices())
-  extended = footprint(config, gpt_spec(cfg, 0), plan, args[0], args[3])[0].flops
+  extended = footprint(RunConfig.from_config(config), gpt_spec(cfg, 0), plan, args[0],
+                       args[3])[0].flops
   unrolled = dataclasses.replace(cfg, scan_layers=False)
   measured = class_footprints(plan, gpt_spec(unrolled, 0).make, *args)[0].flops
   scanned = class_footprints(plan, gpt_spec(cfg, 0).make, *args)[0].flops

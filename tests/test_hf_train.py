@@ -137,8 +137,8 @@ def test_training_from_hf_weights_keeps_them_at_lr_zero(tmp_path):
   log = "\n".join(lines)
 
   cfg = GPTConfig(**read_hf_config(folder))
-  assert [r.degree for r in summary["plan"].replicas] == [2]
-  state = logical_state(summary["programs"])
+  assert [r.degree for r in summary.plan.replicas] == [2]
+  state = logical_state(summary.programs)
   expected = _expected_params(stored, cfg)
   assert {p for p in state if p[0] == "params"} == set(expected)
   for path, want in expected.items():
@@ -146,7 +146,7 @@ def test_training_from_hf_weights_keeps_them_at_lr_zero(tmp_path):
 
   assert log.count(f"parameters: from hf:{folder} (config.json: 2 layers, d_model 32,") == 2
   assert f"copy of {os.path.join(folder, 'tokenizer.json')}" in log  # the folder's tokenizer
-  events = [r["event"] for r in read_records(summary["metrics_path"]) if "event" in r]
+  events = [r["event"] for r in read_records(summary.metrics_path) if "event" in r]
   assert events[0] == "start" and "resume" not in events
 
   out = str(tmp_path / "export")

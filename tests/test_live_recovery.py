@@ -31,23 +31,23 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(workdir, tmp_path_factory):
-  return run(workdir, tmp_path_factory.mktemp("whole"))["losses"]
+  return run(workdir, tmp_path_factory.mktemp("whole")).losses
 
 
 def test_live_failure_and_repair_keep_the_losses_and_the_degrees(workdir, tmp_path, uninterrupted):
   result = run(workdir, tmp_path, **{"ntp.fail_at": "20@0:3", "ntp.repair_at": "30@0:3"})
-  np.testing.assert_allclose(result["losses"], uninterrupted, rtol=1e-5)
-  records = read_metrics(result["metrics_path"])
+  np.testing.assert_allclose(result.losses, uninterrupted, rtol=1e-5)
+  records = read_metrics(result.metrics_path)
   degrees = [r["tp_degrees"] for r in records]
   assert degrees == [[4, 4]] * 20 + [[3, 4]] * 10 + [[4, 4]] * 10
   # Nothing redone, no sequence skipped or repeated: the cursor advances by the batch.
-  assert result["redone_steps"] == 0
+  assert result.redone_steps == 0
   assert [r["data_cursor"] for r in records] == [16 * (i + 1) for i in range(40)]
   # The repair returns to the healthy layout: its program is a cache hit.
-  hits, misses = result["cache"]
+  hits, misses = result.cache
   assert hits >= 1
   assert 0 < records[-1]["goodput"] <= 1 and records[-1]["effective_tokens_per_s"] > 0
-  events = [r["event"] for r in read_records(result["metrics_path"]) if "event" in r]
+  events = [r["event"] for r in read_records(result.metrics_path) if "event" in r]
   assert events[-6:] == ["start", "fail", "recovered", "repair", "recovered", "end"]
   assert os.path.getsize(os.path.join(str(workdir), "goodput.png")) > 10_000
 
@@ -63,8 +63,8 @@ def test_a_failure_detector_hook_drives_the_same_recovery(workdir, tmp_path, uni
   config = tiny_config(workdir, **{"train.steps": 40, **MESH})
   config.checkpoint.every = 0
   result = train(config, detector=detector, **QUIET)
-  np.testing.assert_allclose(result["losses"], uninterrupted, rtol=1e-5)
-  degrees = [r["tp_degrees"] for r in read_metrics(result["metrics_path"])]
+  np.testing.assert_allclose(result.losses, uninterrupted, rtol=1e-5)
+  degrees = [r["tp_degrees"] for r in read_metrics(result.metrics_path)]
   assert degrees[19:21] == [[4, 4], [3, 4]] and degrees[30] == [4, 4]
 
 
@@ -72,15 +72,15 @@ def test_restart_path_and_a_failure_inside_a_step_give_the_same_losses(workdir, 
                                                                        uninterrupted):
   result = run(workdir, tmp_path, **{"ntp.fail_at": "20.mid@0:3", "ntp.repair_at": "30@0:3",
                                      "ntp.recovery": "restart"})
-  np.testing.assert_allclose(result["losses"][-40:], uninterrupted, rtol=1e-5)
-  assert result["redone_steps"] == 1
-  assert result["goodput"]["redone"] > 0 and result["goodput"]["checkpoint_restore"] > 0
+  np.testing.assert_allclose(result.losses[-40:], uninterrupted, rtol=1e-5)
+  assert result.redone_steps == 1
+  assert result.goodput["redone"] > 0 and result.goodput["checkpoint_restore"] > 0
 
 
 def test_failures_at_three_places_then_one_more(workdir, tmp_path, uninterrupted):
   result = run(workdir, tmp_path, **{"ntp.fail_at": "20@0:1,20@1:3,25@0:2"})
-  np.testing.assert_allclose(result["losses"], uninterrupted, rtol=1e-5)
-  degrees = [r["tp_degrees"] for r in read_metrics(result["metrics_path"])]
+  np.testing.assert_allclose(result.losses, uninterrupted, rtol=1e-5)
+  degrees = [r["tp_degrees"] for r in read_metrics(result.metrics_path)]
   assert degrees[19:21] == [[4, 4], [3, 3]] and degrees[25] == [2, 3]
 
 
@@ -88,9 +88,9 @@ def test_a_failure_that_drops_a_replica_live_equals_restart(workdir, tmp_path):
   drop = {"ntp.fail_at": "20@1:0,20@1:1,20@1:2,20@1:3"}
   live = run(workdir, tmp_path / "live", steps=30, **drop)
   restart = run(workdir, tmp_path / "restart", steps=30, **drop, **{"ntp.recovery": "restart"})
-  assert [r.replica for r in live["plan"].replicas] == [0]
-  np.testing.assert_allclose(live["losses"], restart["losses"], rtol=1e-5)
-  assert read_metrics(live["metrics_path"])[-1]["global_batch"] == 8
+  assert [r.replica for r in live.plan.replicas] == [0]
+  np.testing.assert_allclose(live.losses, restart.losses, rtol=1e-5)
+  assert read_metrics(live.metrics_path)[-1]["global_batch"] == 8
 
 
 def test_poison_overwrites_only_the_failed_devices():
@@ -128,10 +128,10 @@ def test_one_replica_has_no_peer_and_falls_back_to_the_checkpoint(workdir, tmp_p
   config.checkpoint.dir = str(tmp_path)
   result = train(config, log=logged.append)
   assert any("live recovery impossible" in line for line in logged), logged[-10:]
-  assert result["redone_steps"] == 2  # steps 10 and 11, after the checkpoint of step 10
-  steps = [r["step"] for r in read_metrics(result["metrics_path"])]
+  assert result.redone_steps == 2  # steps 10 and 11, after the checkpoint of step 10
+  steps = [r["step"] for r in read_metrics(result.metrics_path)]
   assert steps == list(range(14))
-  assert np.isfinite(result["losses"]).all()
+  assert np.isfinite(result.losses).all()
 
 
 def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdir, tmp_path):
@@ -147,7 +147,7 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
 
   events = {"ntp.rebalance": "proportional", "ntp.fail_at": "20@0:3", "ntp.repair_at": "30@0:3"}
   ntp = run(workdir, tmp_path, **events)
-  records = read_metrics(ntp["metrics_path"])
+  records = read_metrics(ntp.metrics_path)
   batches = [r["global_batch"] for r in records]
   assert batches == [16] * 20 + [14] * 10 + [16] * 10
 
@@ -169,4 +169,4 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
       job = JobStep(plan, programs)
     losses.append(float(job(dataset.sequences(cursor, batch))["loss"]))
     cursor += batch
-  np.testing.assert_allclose(ntp["losses"], losses, rtol=1e-4)
+  np.testing.assert_allclose(ntp.losses, losses, rtol=1e-4)

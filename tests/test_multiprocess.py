@@ -26,6 +26,7 @@ from ntp_jax.parallel.distributed import (
   settings_from_config,
 )
 from ntp_jax.resilience.heartbeat import Heartbeat, StopAgreement
+from ntp_jax.train.config import RunConfig
 from ntp_jax.train.metrics import read_metrics
 from ntp_jax.train.trainer import train
 from tests.test_train import tiny_config
@@ -70,8 +71,8 @@ def single_process_losses(tmp_path_factory):
   first = train(tiny_config(workdir, **plan, **{"train.steps": STEPS}), log=lambda *_: None)
   resumed = train(tiny_config(workdir, **plan, **{"train.steps": STEPS + 2}),
                   log=lambda *_: None)
-  assert resumed["start_step"] == STEPS
-  return first["losses"] + resumed["losses"]
+  assert resumed.start_step == STEPS
+  return first.losses + resumed.losses
 
 
 def test_two_processes_of_four_devices_equal_one_process(tmp_path, single_process_losses):
@@ -168,7 +169,7 @@ def test_lost_process_stops_the_survivor_and_a_smaller_restart_resumes(tmp_path)
   # The same resume from a copy of that checkpoint, in this process: the same losses.
   config = tiny_config(reference, **{"mesh.dp": 1, "mesh.tp": 4, "train.steps": latest + 2,
                                      "checkpoint.every": 2})
-  expected = train(config, log=lambda *_: None)["losses"]
+  expected = train(config, log=lambda *_: None).losses
   records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
   after = [r["loss"] for r in records if "loss" in r and r["step"] >= latest][-2:]
   np.testing.assert_allclose(after, expected, rtol=1e-6)
@@ -187,20 +188,24 @@ def test_uneven_collectives_across_processes_equal_numpy():
 
 def test_settings_from_config_and_launcher_variables():
   config = tiny_config("/tmp/unused")
-  assert settings_from_config(config, environ={}) is None  # one process
-  launched = settings_from_config(config, environ={ENV_COORDINATOR: "127.0.0.1:1234",
-                                                   ENV_NUM_PROCESSES: "2", ENV_PROCESS_ID: "1"})
+
+  def settings_from(config, environ):
+    return settings_from_config(RunConfig.from_config(config).distributed, environ=environ)
+
+  assert settings_from(config, environ={}) is None  # one process
+  launched = settings_from(config, environ={ENV_COORDINATOR: "127.0.0.1:1234",
+                                        ENV_NUM_PROCESSES: "2", ENV_PROCESS_ID: "1"})
   assert (launched.coordinator, launched.num_processes, launched.process_id) == (
       "127.0.0.1:1234", 2, 1)
-  assert settings_from_config(config, environ={"SLURM_NTASKS": "4"}) is None  # sbatch's script
-  slurm = settings_from_config(config, environ={"SLURM_STEP_NUM_TASKS": "4"})  # under srun
+  assert settings_from(config, environ={"SLURM_NTASKS": "4"}) is None  # sbatch's script
+  slurm = settings_from(config, environ={"SLURM_STEP_NUM_TASKS": "4"})  # under srun
   assert slurm.coordinator is None and slurm.num_processes is None  # jax.distributed detects
   config.distributed.num_processes = 2
   with pytest.raises(ConfigError, match="distributed.coordinator: required"):
-    settings_from_config(config, environ={})
+    settings_from(config, environ={})
   config.distributed.coordinator = "127.0.0.1:1234"
   with pytest.raises(ConfigError, match=r"distributed.process_id: must be in 0..1, got -1"):
-    settings_from_config(config, environ={})
+    settings_from(config, environ={})
 
 
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):

@@ -33,14 +33,14 @@ def test_validation_loss_summary_and_tensorboard(tmp_path):
   config = tiny_config(tmp_path, **{"mesh.tp": 4, "ntp.failed": "1", "train.eval_every": 5,
                                     "train.eval_sequences": 16, "train.tensorboard": True})
   summary = train(config, log=logged.append)
-  records = read_metrics(summary["metrics_path"])
+  records = read_metrics(summary.metrics_path)
   assert [r["step"] for r in records if "val_loss" in r] == [4, 9]
   val = [r["val_loss"] for r in records if "val_loss" in r]
   assert val[1] < val[0] and all(np.isfinite(val))
 
   # The same held-out rows through the training program's loss (no update): equal.
-  job = summary["programs"][0]
-  step = JobStep(summary["plan"], summary["programs"])
+  job = summary.programs[0]
+  step = JobStep(summary.plan, summary.programs)
   dataset = make_dataset(None, config.model.vocab_size, config.train.seq_len, str(tmp_path),
                          config.train.seed, max_corpus_bytes=config.data.max_corpus_bytes,
                          val_fraction=config.data.val_fraction)
@@ -59,7 +59,7 @@ def test_validation_loss_summary_and_tensorboard(tmp_path):
   assert "tokens/s after compilation" in closing
   assert f"final loss {records[-1]['loss']:.4f}" in closing
   assert f"validation loss {val[1]:.4f}" in closing
-  assert f"metrics: {summary['metrics_path']}" in text
+  assert f"metrics: {summary.metrics_path}" in text
 
   scalars = _events(tmp_path / "tensorboard")
   assert [s for s, _ in scalars["train/loss"]] == list(range(10))

@@ -22,6 +22,7 @@ from ntp_jax.parallel.replica_class import abstract_class_state, build_class_pro
 from ntp_jax.state.checkpoint import CheckpointError, Checkpoints
 from ntp_jax.state.placement import Leaf, even_pieces, leaves_of, read_logical
 from ntp_jax.state.sources import ArraySource
+from ntp_jax.train.config import parse_failed, parse_weights
 
 # (mesh.tp, mesh.dp, ntp.failed, ntp.slot_weights): failed slots at the ends and in the
 # middle, 0 to 3 failures, several replicas, speed weights; 8 KV heads on 3 and 7 slots
@@ -39,8 +40,9 @@ OPTIMIZER = optax.adamw(1e-2)
 
 
 def make(tp, dp, failed, weights, source=None):
-  plan = make_plan(functools.partial(model_layouts, SMALL), tp=tp, dp=dp, failed=failed,
-                   slot_weights=weights, batch_size=6, rebalance="equal")
+  plan = make_plan(functools.partial(model_layouts, SMALL), tp=tp, dp=dp,
+                   failed=parse_failed(failed, dp, tp), slot_weights=parse_weights(weights, tp),
+                   batch_size=6, rebalance="equal")
   return build_class_programs(plan, lambda layouts: GPT(SMALL, layouts, rngs=nnx.Rngs(0)),
                               OPTIMIZER, 1.0, 36, jax.devices()[:tp * dp], source=source)
 

@@ -8,25 +8,33 @@ import pytest
 from flax import nnx
 from job_harness import SMALL
 
+import configs.gpt_tiny
 from models.gpt import model_layouts
 from ntp_jax.errors import ConfigError
 from ntp_jax.layers import TPParam
-from ntp_jax.parallel.plan import make_plan, parse_failed
+from ntp_jax.parallel.plan import make_plan
 from ntp_jax.sharding.blocks import to_blocks
 from ntp_jax.sharding.layout import make_layout
 from ntp_jax.sharding.shard import stack_replicas
+from ntp_jax.train.config import RunConfig, parse_failed, parse_weights
 from ntp_jax.train.optim import clip_by_logical_norm, logical_norm
 
-plan_of = functools.partial(make_plan, functools.partial(model_layouts, SMALL))
+_make_plan = functools.partial(make_plan, functools.partial(model_layouts, SMALL))
+
+
+def plan_of(*, tp, dp, failed="", slot_weights="", **kwargs):
+  """``make_plan`` with ``ntp.failed`` / ``ntp.slot_weights`` text, parsed as the config does."""
+  return _make_plan(tp=tp, dp=dp, failed=parse_failed(failed, dp, tp),
+                    slot_weights=parse_weights(slot_weights, tp), **kwargs)
 
 
 def test_parse_failed_forms():
-  assert parse_failed("", 2, 8) == {}
-  assert parse_failed("3", 2, 8) == {0: (3,)}
-  assert parse_failed("3,5", 2, 8) == {0: (3, 5)}
-  assert parse_failed("1:3", 2, 8) == {1: (3,)}
-  assert parse_failed("0:2, 1:5,1:6", 2, 8) == {0: (2,), 1: (5, 6)}
-  assert parse_failed("4,1:4", 2, 8) == {0: (4,), 1: (4,)}
+  assert parse_failed("", 2, 8) == set()
+  assert parse_failed("3", 2, 8) == {(0, 3)}
+  assert parse_failed("3,5", 2, 8) == {(0, 3), (0, 5)}
+  assert parse_failed("1:3", 2, 8) == {(1, 3)}
+  assert parse_failed("0:2, 1:5,1:6", 2, 8) == {(0, 2), (1, 5), (1, 6)}
+  assert parse_failed("4,1:4", 2, 8) == {(0, 4), (1, 4)}
 
 
 @pytest.mark.parametrize("text,match", [
@@ -90,10 +98,20 @@ def test_equal_rebalance_and_proportional_rounding():
     (dict(batch_size=3, dp=2), "train.batch_size: 3 sequences do not split evenly"),
 ])
 def test_bad_plans_raise_one_line_errors(kwargs, match):
+  """Settings are checked by the config (``RunConfig``), the failure state by the plan."""
   args = dict(tp=4, dp=1, batch_size=4)
   args.update(kwargs)
+  config = configs.gpt_tiny.get_config()
+  config.mesh.tp, config.mesh.dp, config.train.batch_size = args["tp"], args["dp"], args[
+      "batch_size"]
+  config.ntp.failed = args.get("failed", "")
+  config.ntp.slot_weights = args.get("slot_weights", "")
+  config.ntp.rebalance = args.get("rebalance", "proportional")
   with pytest.raises(ConfigError, match=match) as info:
-    plan_of(**args)
+    run = RunConfig.from_config(config)
+    _make_plan(tp=run.mesh.tp, dp=run.mesh.dp, failed=run.ntp.failed,
+               slot_weights=run.ntp.slot_weights, batch_size=run.train.batch_size,
+               rebalance=run.ntp.rebalance)
   assert "\n" not in str(info.value)
 
 

@@ -15,13 +15,13 @@ def test_bf16_compute_tracks_fp32_over_150_steps(tmp_path):
     config = tiny_config(tmp_path, **{"train.steps": 150, "mesh.tp": 1, "model.dtype": dtype,
                                       "train.log_every": 50})
     runs[dtype] = train(config, log=lambda *_: None)
-  fp32, bf16 = (np.asarray(runs[d]["losses"]) for d in ("float32", "bfloat16"))
+  fp32, bf16 = (np.asarray(runs[d].losses) for d in ("float32", "bfloat16"))
   assert len(bf16) == 150 and np.all(np.isfinite(bf16))
   assert not np.array_equal(fp32, bf16)  # the bf16 run really computed in bf16
   assert abs(bf16[-1] - fp32[-1]) / fp32[-1] < 0.02, (bf16[-1], fp32[-1])
   assert bf16[-1] < 0.6 * bf16[0]  # and it learned
 
-  program = runs["bfloat16"]["programs"][0]
+  program = runs["bfloat16"].programs[0]
   assert {x.dtype for x in jax.tree.leaves(program.params)} == {jnp.dtype(jnp.float32)}
   moments = [x for x in jax.tree.leaves(program.opt_state) if x.ndim > 0]
   assert moments and {x.dtype for x in moments} == {jnp.dtype(jnp.float32)}

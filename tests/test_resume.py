@@ -32,30 +32,30 @@ def data_workdir(tmp_path_factory):
 
 
 def test_resume_same_plan_gives_identical_losses(data_workdir, tmp_path):
-  whole = run(data_workdir, 40, tmp_path / "whole")["losses"]
+  whole = run(data_workdir, 40, tmp_path / "whole").losses
   first = run(data_workdir, 20, tmp_path / "parts")
-  assert first["checkpoint"].endswith("20")
+  assert first.checkpoint.endswith("20")
   shutil.copytree(tmp_path / "parts", tmp_path / "parts_reduced")
   second = run(data_workdir, 40, tmp_path / "parts")
-  assert second["start_step"] == 20 and len(second["losses"]) == 20
-  assert first["losses"] + second["losses"] == whole
+  assert second.start_step == 20 and len(second.losses) == 20
+  assert first.losses + second.losses == whole
   # Onto a plan with one slot failed: same sequences, another layout.
   reduced = run(data_workdir, 40, tmp_path / "parts_reduced", **{"ntp.failed": "3"})
-  assert [r.degree for r in reduced["plan"].replicas] == [7]
-  np.testing.assert_allclose(reduced["losses"], whole[20:], rtol=1e-5)
+  assert [r.degree for r in reduced.plan.replicas] == [7]
+  np.testing.assert_allclose(reduced.losses, whole[20:], rtol=1e-5)
 
 
 def test_resume_onto_a_reduced_replica_matches_the_uninterrupted_run(data_workdir, tmp_path):
   mesh = {"mesh.dp": 2, "mesh.tp": 4, "ntp.rebalance": "equal"}
-  whole = run(data_workdir, 40, tmp_path / "whole", **mesh)["losses"]
+  whole = run(data_workdir, 40, tmp_path / "whole", **mesh).losses
   run(data_workdir, 20, tmp_path / "parts", **mesh)
   resumed = run(data_workdir, 40, tmp_path / "parts", **mesh, **{"ntp.failed": "1:2"})
-  assert [r.degree for r in resumed["plan"].replicas] == [4, 3]
-  np.testing.assert_allclose(resumed["losses"], whole[20:], rtol=1e-5)
-  records = read_metrics(resumed["metrics_path"])
+  assert [r.degree for r in resumed.plan.replicas] == [4, 3]
+  np.testing.assert_allclose(resumed.losses, whole[20:], rtol=1e-5)
+  records = read_metrics(resumed.metrics_path)
   assert [r["step"] for r in records] == list(range(40))
   assert [r["tp_degrees"] for r in records[19:21]] == [[4, 4], [4, 3]]
-  events = [r["event"] for r in read_records(resumed["metrics_path"]) if "event" in r]
+  events = [r["event"] for r in read_records(resumed.metrics_path) if "event" in r]
   assert events[-4:] == ["start", "end", "resume", "end"]
 
 

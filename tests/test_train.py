@@ -40,7 +40,7 @@ def test_losses_equal_for_uniform_nonuniform_and_single_device(workdir):
       "tp8-failed3": {"ntp.failed": "3"},
       "tp1": {"mesh.tp": 1},
   }
-  losses = {name: train(tiny_config(workdir, **o), log=lambda *_: None)["losses"]
+  losses = {name: train(tiny_config(workdir, **o), log=lambda *_: None).losses
             for name, o in runs.items()}
   for name in ("tp8-failed3", "tp1"):
     np.testing.assert_allclose(losses[name], losses["tp8"], rtol=1e-4, err_msg=name)
@@ -52,16 +52,16 @@ def test_two_replicas_of_different_degree_match_single_device(workdir):
   ntp = train(tiny_config(workdir, **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2",
                                       "ntp.rebalance": "equal"}), log=lambda *_: None)
   single = train(tiny_config(workdir, **{"mesh.tp": 1}), log=lambda *_: None)
-  assert [r.degree for r in ntp["plan"].replicas] == [4, 3]
-  np.testing.assert_allclose(ntp["losses"], single["losses"], rtol=1e-4)
+  assert [r.degree for r in ntp.plan.replicas] == [4, 3]
+  np.testing.assert_allclose(ntp.losses, single.losses, rtol=1e-4)
 
 
 def test_metrics_jsonl_has_one_full_precision_record_per_step(workdir):
   summary = train(tiny_config(workdir, **{"ntp.failed": "2,5", "train.steps": 3}),
                   log=lambda *_: None)
-  records = read_metrics(summary["metrics_path"])
+  records = read_metrics(summary.metrics_path)
   assert [r["step"] for r in records] == [0, 1, 2]
-  for r, loss in zip(records, summary["losses"]):
+  for r, loss in zip(records, summary.losses):
     assert {"step", "loss", "tokens", "step_time_s", "tp_degree"} <= set(r)
     assert r["loss"] == loss and r["tp_degree"] == 6 and r["tokens"] == 16 * 64
     assert r["tp_degrees"] == [6]

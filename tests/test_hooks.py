@@ -1,0 +1,54 @@
+"""Step hooks added from Python: they see every step, in order, and can inject failures."""
+
+import numpy as np
+from test_train import tiny_config
+
+from ntp_jax.resilience.events import Event
+from ntp_jax.train.hooks import Hook, StepInfo
+from ntp_jax.train.metrics import read_metrics
+from ntp_jax.train.trainer import train
+
+
+class Recorder(Hook):
+  """Records what it is shown; ``every`` as given; fails replica 0 slot 1 before step 4."""
+
+  def __init__(self, every=1, fail_before=None):
+    self.every, self.fail_before = every, fail_before
+    self.seen: list[StepInfo] = []
+    self.asked: list[int] = []
+    self.ended = 0
+
+  def before_step(self, run, step):
+    self.asked.append(step)
+    if step == self.fail_before:
+      return [Event(step, False, "fail", 0, 1)]
+    return []
+
+  def on_step(self, info):
+    self.seen.append(info)
+
+  def on_end(self, run):
+    self.ended += 1
+
+
+def test_hooks_from_python_see_every_step_and_the_complete_record(tmp_path):
+  steps = 6
+  config = tiny_config(tmp_path, **{"train.steps": steps, "mesh.dp": 2, "mesh.tp": 4})
+  every_step, every_third = Recorder(fail_before=4), Recorder(every=3)
+  plain = []
+  result = train(config, log=lambda *_: None,
+                 hooks=[every_step, every_third, lambda info: plain.append(info.step)])
+  assert [i.step for i in every_step.seen] == list(range(steps)) == plain
+  assert [i.done for i in every_third.seen] == [3, 6]
+  assert every_step.asked == list(range(steps)) and every_step.ended == 1
+  assert [i.loss for i in every_step.seen] == result.losses
+  records = read_metrics(result.metrics_path)
+  for info, record in zip(every_step.seen, records):
+    # User hooks run after the defaults: the record is the one written, goodput included.
+    assert info.record == record and "goodput" in info.record
+    assert info.tokens == info.plan.global_batch * config.train.seq_len
+    assert info.step_time_s > 0 and np.isfinite(info.grad_norm)
+  # The failure the hook reported before step 4 changed the plan from that step on.
+  degrees = [[r.degree for r in i.plan.replicas] for i in every_step.seen]
+  assert degrees == [[4, 4]] * 4 + [[3, 4]] * 2
+  assert every_step.seen[0].compiled and not every_step.seen[1].compiled
