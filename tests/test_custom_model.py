@@ -49,4 +49,4 @@ def test_bad_factory_is_one_line_naming_the_field(tmp_path, factory, message):
   config = tiny_config(tmp_path)
   config.model.factory = factory
   with pytest.raises(ConfigError, match=f"model.factory: .*{message}"):
-    load_model_spec(config)
+    load_model_spec(config.model.factory, config)

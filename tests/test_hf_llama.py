@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from layer_check import global_to_logical
 
+import configs.base
 from models.gpt import GPT, GPTConfig, model_layouts
 from ntp_jax.errors import ConfigError
 from ntp_jax.interop.hf_llama import HFSource, export_hf, read_hf_config, tokenizer_file
@@ -130,8 +131,11 @@ def test_export_command_reads_a_checkpoint(tmp_path, capsys):
   model_fields = {k: getattr(cfg, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads",
                                                 "n_kv_heads", "head_dim", "d_ff", "rope_theta",
                                                 "norm_eps")}
-  checkpoints.save(4, {**logical, **moments}, {"config": {"model": model_fields,
-                                                          "train": {"seq_len": 16}}})
+  config = configs.base.get_config()  # the run config a checkpoint stores, as train() writes it
+  config.model.update(model_fields)
+  config.train.seq_len = 16
+  checkpoints.save(4, {**logical, **moments},
+                   {"config": json.loads(config.to_json_best_effort())})
   checkpoints.close()
   out = str(tmp_path / "hf")
   assert main(["--checkpoint", str(tmp_path / "ckpt"), "--out", out]) == 0
