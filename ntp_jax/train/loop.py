@@ -18,13 +18,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import Plan
-from ntp_jax.parallel.replica_class import (
-  JobStep,
-  ProgramCache,
-  build_class_programs,
-  logical_state,
-)
+from ntp_jax.parallel.programs import ProgramCache, build_class_programs, logical_state
 from ntp_jax.resilience.events import DeviceFailure, Event, failed_text
 from ntp_jax.resilience.goodput import GoodputClock
 from ntp_jax.state.checkpoint import CheckpointError
@@ -40,7 +36,7 @@ class DatasetRows:
   """The rows ``[cursor, cursor + count)`` of the data walk, read only when sliced.
 
   A job step slices out the rows of the replicas whose devices this process
-  drives (``replica_class.class_batch``); nothing else is read.
+  drives (``programs.class_batch``); nothing else is read.
   """
 
   def __init__(self, dataset, cursor: int, count: int, seq_len: int):
