@@ -136,8 +136,7 @@ class TrainingRun:
     if self.initial_source is None:
       return InitSource(lambda: self.make_model(plan.logical_layouts))
     source = self.initial_source()
-    describe = getattr(source, "describe", None)  # optional: not part of LogicalSource
-    self.log(f"parameters: from {describe() if describe else type(source).__name__}")
+    self.log(f"parameters: from {source.describe()}")
     return source
 
   def start(self, plan: Plan, source, step: int, cursor: int) -> None:
