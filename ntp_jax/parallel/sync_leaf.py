@@ -229,7 +229,9 @@ def sync_leaves(params: nnx.State, degree: int, t_min: int,
 
   Returns:
     One ``SplitSync`` or ``ReplicatedSync`` per parameter; equal arguments
-    give the same (cached) tuple.
+    give the same (cached) tuple. ``Layout`` equality ignores live slots, so
+    a cached descriptor may carry another class's live slots: nothing here
+    reads them (the same reason ``ProgramCache`` shares steps across them).
   """
   signature = tuple(
       (path_key(path), isinstance(v, TPParam), tuple(v.get_value().shape),
