@@ -43,8 +43,9 @@ from common import emit, load_config, progress  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
+from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
-from ntp_jax.parallel.replica_class import JobStep, build_class_programs, logical_state  # noqa: E402
+from ntp_jax.parallel.programs import build_class_programs, logical_state  # noqa: E402
 from ntp_jax.state.checkpoint import Checkpoints  # noqa: E402
 from ntp_jax.train.config import parse_failed  # noqa: E402
 from ntp_jax.train.optim import make_optimizer  # noqa: E402

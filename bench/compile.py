@@ -37,7 +37,7 @@ from flax import nnx  # noqa: E402
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.layers import REMAT_POLICIES  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
-from ntp_jax.parallel.replica_class import make_fused_step  # noqa: E402
+from ntp_jax.parallel.steps import FusedStep, StepSettings  # noqa: E402
 from ntp_jax.train.footprint import abstract_program, class_footprints, per_device_flops  # noqa: E402
 from ntp_jax.train.optim import make_optimizer  # noqa: E402
 
@@ -57,10 +57,11 @@ def compile_step(cfg, config):
   optimizer = make_optimizer(config.train)
   program, batch = abstract_program(plan, plan.classes[0], make(cfg), optimizer,
                                     config.train.seq_len, jax.devices())
-  step = make_fused_step(program, optimizer, config.train.clip_norm,
-                         plan.global_batch * config.train.seq_len)
+  step = FusedStep.build(program.graphdef, program.params, program.opt_state, program.mesh,
+                         StepSettings(optimizer, config.train.clip_norm,
+                                      plan.global_batch * config.train.seq_len))
   start = time.perf_counter()
-  lowered = step.lower(program.params, program.opt_state, batch)
+  [lowered] = step.lower(program.params, program.opt_state, batch)
   lowered_s = time.perf_counter() - start
   start = time.perf_counter()
   lowered.compile()

@@ -52,8 +52,9 @@ from flax import nnx
 
 from models.gpt import GPT, GPTConfig, count_params, gpt_spec, model_layouts
 from ntp_jax.layers import REMAT_POLICIES
+from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import make_plan
-from ntp_jax.parallel.replica_class import JobStep, build_class_programs
+from ntp_jax.parallel.programs import build_class_programs
 from ntp_jax.train.config import parse_failed
 from ntp_jax.train.optim import make_optimizer
 from ntp_jax.train.resources import ResourceError, check_footprint

@@ -26,7 +26,7 @@ from flax import nnx  # noqa: E402
 
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
-from ntp_jax.parallel.replica_class import abstract_params  # noqa: E402
+from ntp_jax.parallel.programs import abstract_params  # noqa: E402
 from ntp_jax.parallel.sync import sync_traffic  # noqa: E402
 from ntp_jax.train.config import parse_failed  # noqa: E402
 

@@ -44,8 +44,9 @@ from ntp_jax.layers import (  # noqa: E402
   VocabParallelEmbed,
   vocab_parallel_cross_entropy,
 )
+from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
-from ntp_jax.parallel.replica_class import JobStep, build_class_programs, class_batch  # noqa: E402
+from ntp_jax.parallel.programs import build_class_programs, class_batch  # noqa: E402
 
 D_MODEL, D_FF, VOCAB, SEQ = 32, 96, 128, 16
 BLOCKS = 32
@@ -106,7 +107,7 @@ def measure(n_blocks: int, steps: int) -> tuple[int, int, float, float]:
     float(job(batch)["loss"])
     step_times.append(time.perf_counter() - start)
   # The sync alone, on ready buffers and idle devices: the host's own work.
-  buffers = [p.grad(p.params, class_batch(p, batch, first))
+  buffers = [p.step.gradients(p.params, class_batch(p, batch, first))
              for p, (first, _) in zip(programs, plan.class_rows())]
   jax.block_until_ready(buffers)
   sync_times = []

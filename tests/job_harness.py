@@ -8,8 +8,9 @@ import optax
 from flax import nnx
 
 from models.gpt import GPT, GPTConfig, model_layouts
+from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import make_plan
-from ntp_jax.parallel.replica_class import JobStep, build_class_programs
+from ntp_jax.parallel.programs import build_class_programs
 from ntp_jax.sharding.shard import replica_view, to_logical
 from ntp_jax.train.config import parse_failed, parse_weights
 

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 from layer_check import global_to_logical, mesh_for, split_to_global
 from tp_cases import TP_GROUPS, group_id
 
-from ntp_jax.parallel.sync import sync_layout
+from ntp_jax.parallel.sync_leaf import sync_layout
 from ntp_jax.sharding.collectives import (
   all_gather_uneven,
   copy_shared_from_last,

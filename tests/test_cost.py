@@ -11,8 +11,9 @@ from job_harness import SMALL
 
 from models.gpt import GPT, model_layouts
 from ntp_jax.parallel.cost import class_step_flops
+from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import make_plan
-from ntp_jax.parallel.replica_class import JobStep, build_class_programs
+from ntp_jax.parallel.programs import build_class_programs
 from ntp_jax.train.config import parse_failed
 
 SEQ = 128  # enough tokens that per-step work dominates the per-parameter sync work

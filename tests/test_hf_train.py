@@ -23,7 +23,7 @@ from ntp_jax.data import DataError, make_dataset
 from ntp_jax.errors import ConfigError
 from ntp_jax.interop.export_hf import export_checkpoint
 from ntp_jax.interop.hf_llama import names, read_hf_config
-from ntp_jax.parallel.replica_class import logical_state
+from ntp_jax.parallel.programs import logical_state
 from ntp_jax.train.metrics import read_records
 from ntp_jax.train.trainer import train
 

@@ -140,8 +140,9 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
 
   from models.gpt import GPT, GPTConfig, model_layouts
   from ntp_jax.data import make_dataset
+  from ntp_jax.parallel.job_step import JobStep
   from ntp_jax.parallel.plan import make_plan
-  from ntp_jax.parallel.replica_class import JobStep, build_class_programs, logical_state
+  from ntp_jax.parallel.programs import build_class_programs, logical_state
   from ntp_jax.state.sources import ArraySource
   from ntp_jax.train.optim import make_optimizer
 

@@ -9,7 +9,8 @@ from layer_check import assert_padding_zero
 from tp_cases import TP_GROUPS, group_id
 
 from models.gpt import GPT, GPTConfig, count_params, model_layouts
-from ntp_jax.parallel.replica_class import abstract_params, init_stacked_params, make_loss_and_grad
+from ntp_jax.parallel.programs import abstract_params, init_stacked_params
+from ntp_jax.parallel.steps import make_loss_and_grad
 from ntp_jax.sharding.mesh import class_mesh
 from ntp_jax.sharding.shard import replica_view, to_logical
 
@@ -108,7 +109,7 @@ def test_same_seed_gives_same_logical_parameters_for_every_layout():
 def test_logical_arrays_placed_into_blocks_with_shared_units():
   import optax
 
-  from ntp_jax.parallel.replica_class import abstract_class_state
+  from ntp_jax.parallel.programs import abstract_class_state
   from ntp_jax.state.placement import flatten, place_logical
   from ntp_jax.state.sources import ArraySource
   layouts = model_layouts(CFG, 8, (3,))  # 8 KV heads on 7 slots: 1 each + 1 shared

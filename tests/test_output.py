@@ -7,7 +7,7 @@ import numpy as np
 from test_train import tiny_config
 
 from ntp_jax.data import make_dataset
-from ntp_jax.parallel.replica_class import JobStep
+from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.train.metrics import read_metrics
 from ntp_jax.train.trainer import train
 

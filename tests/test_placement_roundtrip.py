@@ -18,7 +18,7 @@ from job_harness import SMALL
 
 from models.gpt import GPT, model_layouts
 from ntp_jax.parallel.plan import make_plan
-from ntp_jax.parallel.replica_class import abstract_class_state, build_class_programs
+from ntp_jax.parallel.programs import abstract_class_state, build_class_programs
 from ntp_jax.state.checkpoint import CheckpointError, Checkpoints
 from ntp_jax.state.placement import Leaf, even_pieces, leaves_of, read_logical
 from ntp_jax.state.sources import ArraySource

@@ -49,7 +49,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ntp_jax.errors import ConfigError
-from ntp_jax.state.placement import Path, flatten
+from ntp_jax.state.placement import BaseSource, Path, flatten
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -255,7 +255,7 @@ def _ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ..
   return tuple(out)
 
 
-class HFSource:
+class HFSource(BaseSource):
   """Logical ``params`` of a Hugging Face Llama folder (a ``placement.LogicalSource``).
 
   Checks at construction (headers only, nothing read): ``config.json``

@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ntp_jax.parallel.replica_class import ClassProgram, JobStep, abstract_sync_blocks
+from ntp_jax.parallel.job_step import JobStep
+from ntp_jax.parallel.programs import ClassProgram
 
 
 def compiled_flops(lowered: Any) -> float:
@@ -49,12 +50,8 @@ def class_step_flops(job: JobStep, program: ClassProgram, seq_len: int) -> float
   """
   rows = program.replica_class.batch_rows
   batch = jax.ShapeDtypeStruct((rows, seq_len + 1), np.int32, sharding=program.batch_sharding)
-  if program.step is not None:
-    return compiled_flops(program.step.lower(program.params, program.opt_state, batch))
-  grad_flops = compiled_flops(program.grad.lower(program.params, batch))
-  blocks = abstract_sync_blocks(program.grad, program.params, batch, program.mesh)
-  update_flops = compiled_flops(program.update.lower(program.params, program.opt_state, blocks))
-  return grad_flops + update_flops
+  return sum(compiled_flops(lowered)
+             for lowered in program.step.lower(program.params, program.opt_state, batch))
 
 
 def own_shard_flops(cfg, replica_class, position: int, seq_len: int, cache: dict,

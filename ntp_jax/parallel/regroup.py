@@ -1,7 +1,7 @@
 """Where each element of a flattened gradient sits for the peer-group all-reduce.
 
 Every replica moves each flattened parameter (split axis first, shared units
-once on the last slot: ``sync.flat_layout``) onto the job's ``t_min`` core
+once on the last slot: ``sync_leaf.flat_layout``) onto the job's ``t_min`` core
 positions, the same positions for every replica, before the all-reduce
 across domains. Buffers must be near-equal in length (the all-reduce pads to
 the longest), so position ``j`` holds ``target_j`` elements

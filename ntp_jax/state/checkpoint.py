@@ -29,7 +29,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from ntp_jax.errors import ConfigError
-from ntp_jax.state.placement import Path, flatten, nest
+from ntp_jax.state.placement import BaseSource, Path, flatten, nest
 
 FORMAT_VERSION = 1
 STATE = "state"
@@ -203,20 +203,18 @@ class Checkpoints:
     return flatten(dict(restored))
 
 
-class CheckpointSource:
+class CheckpointSource(BaseSource):
   """Logical arrays of one checkpoint step (a ``placement.LogicalSource``).
 
   Before reading anything it checks that the stored arrays are exactly the
-  requested ones with the same logical shapes.
+  requested ones with the same logical shapes. ``paths`` is None (the
+  ``BaseSource`` default): every leaf of the target must come from the checkpoint.
   """
 
   def __init__(self, checkpoints: Checkpoints, step: int):
     self.checkpoints = checkpoints
     self.step = step
     self._shapes = checkpoints.shapes(step)
-
-  def paths(self) -> None:
-    return None  # every leaf of the target must come from the checkpoint
 
   def check(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> None:
     """Raises CheckpointError naming the first parameter that differs, with both shapes."""
@@ -234,6 +232,9 @@ class CheckpointSource:
       if tuple(requests[path].shape) != self._shapes[path][0]:
         raise CheckpointError(f"checkpoint {where}: {name} has shape {self._shapes[path][0]}, "
                               f"the model expects {tuple(requests[path].shape)}")
+
+  def describe(self) -> str:
+    return f"checkpoint {self.checkpoints.step_dir(self.step)}"
 
   def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
     self.check(requests)

@@ -15,8 +15,6 @@ failure); the live reshard from DP peers is our own.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -26,17 +24,17 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.sharding.collectives import transfer_schedule
-from ntp_jax.sharding.layout import owner_layout
 from ntp_jax.sharding.mesh import DP, TP
+from ntp_jax.state.peer_supply import Holder, Supply, SupplyChoice
 from ntp_jax.state.placement import (
+  BaseSource,
   Leaf,
   Path,
   block_shape,
   copy_of_replica,
-  even_pieces,
   even_pieces_of,
   leaves_of,
+  per_device,
 )
 
 
@@ -59,18 +57,11 @@ def poison(programs: list, dead: set[jax.Device]) -> None:
     program.opt_state = jax.tree.map(spoil, program.opt_state)
 
 
-def _piece_sources(leaf: Leaf) -> list[set[int]]:
-  """For each even piece ``j``: the live-slot positions whose blocks it is made from."""
-  sources: list[set[int]] = [set() for _ in range(leaf.pieces)]
-  for t in transfer_schedule(owner_layout(leaf.layout), leaf.even_layout):
-    for i, length in enumerate(t["send_len"]):
-      if length > 0:
-        sources[i + t["shift"]].add(i)
-  return sources
-
-
-class PeerSource:
+class PeerSource(BaseSource):
   """Logical state from the live replicas of the old programs (a ``LogicalSource``).
+
+  Which replica supplies each piece is ``peer_supply.SupplyChoice``'s
+  decision; this class moves the chosen pieces (device to device).
 
   Args:
     programs: the old plan's class programs (their state poisoned on ``dead``).
@@ -91,38 +82,8 @@ class PeerSource:
     self._leaves: dict[int, dict[Path, Leaf]] = {}
     self._node_index: dict[int, dict[Path, Any]] = {}
     self._moved: dict[Any, Any] = {}
-
-  def paths(self) -> None:
-    return None
-
-  def _alive(self, program, replica: int, positions: Iterable[int]) -> bool:
-    return all(program.mesh.devices[replica, i] not in self.dead for i in positions)
-
-  def _choose(self, leaf: Leaf, k: int) -> tuple[Any, list[list[int]]] | None:
-    """A class program and, for each piece, the replicas (rows) whose sources are alive."""
-    for program in self.programs:
-      source_leaf = self._leaf_in(program, leaf.path)
-      if source_leaf.layout is not None and k > program.replica_class.degree:
-        continue
-      if source_leaf.layout is None:
-        rows = [r for r in range(program.replicas)
-                if any(self._alive(program, r, [i]) for i in range(program.replica_class.degree))]
-        if rows:
-          return program, [rows]
-        continue
-      source_leaf = dataclasses.replace(source_leaf, k=k)
-      rows = []
-      for positions in _piece_sources(source_leaf):
-        alive = [r for r in range(program.replicas) if self._alive(program, r, positions)]
-        if not alive:
-          break
-        rows.append(alive)
-      else:
-        return program, rows
-    return None
-
-  def _leaf_in(self, program, path: Path) -> Leaf:
-    return self._leaves_by_path(program)[path]
+    self.choice = SupplyChoice([Holder(p.mesh.devices, self._leaves_by_path(p))
+                                for p in programs], dead)
 
   def _pieces_of(self, program, wanted: dict[Path, int]):
     """``placement.even_pieces_of`` of ``program``'s state, memoised: the target classes
@@ -193,13 +154,10 @@ class PeerSource:
 
   def pieces(self, leaf: Leaf) -> int:
     """Even pieces for ``leaf``: a split the source class and every target class can hold."""
-    n = leaf.layout.size
-    target = min(leaf.layout.degree, self.min_degree or leaf.layout.degree)
-    for program in self.programs:
-      k = even_pieces(n, min(program.replica_class.degree, target))
-      if self._choose(leaf, k) is not None:
-        return k
-    return even_pieces(n, leaf.layout.degree)
+    return self.choice.pieces(leaf, self.min_degree)
+
+  def describe(self) -> str:
+    return f"live DP peers ({len(self.dead)} failed device(s))"
 
   def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
@@ -210,48 +168,40 @@ class PeerSource:
     return self._gather(requests, as_blocks=False)
 
   def _gather(self, requests, as_blocks: bool):
-    plans = {}
+    supplies: dict[Path, Supply] = {}
+    ks: dict[Path, int] = {}  # even pieces requested (the target mesh's columns)
     for path, request in requests.items():
-      target = request.sharding.mesh.devices
-      k = target.shape[1] if request.sharding.spec else 1
-      leaf = Leaf(path, tuple(request.shape), np.dtype(request.dtype))
-      source_leaf = self._leaf_in(self.programs[0], path)
-      if source_leaf.layout is not None:
-        leaf = dataclasses.replace(leaf, layout=source_leaf.layout, axis=source_leaf.axis)
-      choice = self._choose(leaf, k)
-      if choice is None:
+      ks[path] = request.sharding.mesh.devices.shape[1] if request.sharding.spec else 1
+      supply = self.choice.choose(path, ks[path])
+      if supply is None:
         raise LookupError(f"{'/'.join(path)}: no live replica holds every piece")
-      plans[path] = (choice, k)
-    moved_by_program = {}
-    for program in {id(c[0][0]): c[0][0] for c in plans.values()}.values():
-      wanted = {p: k for p, ((prog, _), k) in plans.items()
-                if prog is program and self._leaf_in(prog, p).layout is not None}
+      supplies[path] = supply
+    moved_by_holder = {}
+    for index in dict.fromkeys(s.holder for s in supplies.values()):
+      program = self.programs[index]
+      wanted = {p: ks[p] for p, s in supplies.items()
+                if s.holder == index and self._leaves_by_path(program)[p].layout is not None}
       leaves, nodes, moved = self._pieces_of(program, wanted)
-      moved_by_program[id(program)] = ({leaf.path: (leaf, node)
-                                        for leaf, node in zip(leaves, nodes)}, moved)
+      moved_by_holder[index] = ({leaf.path: (leaf, node) for leaf, node in zip(leaves, nodes)},
+                                moved)
     out = {}
     for path, request in requests.items():
-      (program, rows), k = plans[path]
-      by_path, moved = moved_by_program[id(program)]
+      supply = supplies[path]
+      by_path, moved = moved_by_holder[supply.holder]
       leaf, node = by_path[path]
       target = request.sharding.mesh.devices  # [target replicas, k]
-      by_device = ({s.device: s.data for s in moved[path].addressable_shards}
-                   if leaf.layout is not None else {})
+      by_device = per_device(moved[path]) if leaf.layout is not None else {}
       pieces = []
       for target_row in target:
         for j, device in enumerate(target_row):
           # Prefer a copy that is already on the target device: nothing moves then.
           if leaf.layout is not None:
-            options = [program.mesh.devices[r, j] for r in rows[j]]
-            source_device = device if device in options else options[0]
-            row = rows[j][options.index(source_device)]
+            source_device, _ = self.choice.piece_source(supply, j, device)
             piece = by_device[source_device]  # [1, 1, *piece]
             if not as_blocks:
               piece = piece.reshape(leaf.piece_shape)
           else:
-            options = [(d, r) for r in rows[0] for d in program.mesh.devices[r]
-                       if d not in self.dead]
-            source_device, row = next(((d, r) for d, r in options if d == device), options[0])
+            source_device, row = self.choice.whole_source(supply, device)
             piece = copy_of_replica(node, leaf, source_device, row)
           if source_device != device:
             self.copied_bytes += piece.nbytes

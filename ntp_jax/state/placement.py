@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.layers.params import TPParam
+from ntp_jax.parallel.topology import is_mine
 from ntp_jax.sharding.collectives import copy_shared_from_last, reshard_uneven
 from ntp_jax.sharding.layout import Layout, owner_layout
 from ntp_jax.sharding.mesh import DP, TP
@@ -172,15 +173,57 @@ def leaves_of(state: Any) -> tuple[list[Leaf], Any, list[Any]]:
 class LogicalSource(Protocol):
   """Where logical arrays come from (an initialiser, a checkpoint, a live replica).
 
-  ``read(requests)`` gets, per path, a ``jax.ShapeDtypeStruct`` whose
-  ``sharding`` says on which devices and in which even split the logical
-  array is wanted, and returns those arrays. ``paths()`` says which paths the
-  source can fill; the others are left to the caller.
+  ``place_logical`` calls every method; ``BaseSource`` gives the defaults, so
+  a source defines ``read`` and whichever of the others it has reason to.
   """
 
-  def paths(self) -> set[Path] | None: ...
+  def paths(self) -> set[Path] | None:
+    """The paths the source can fill (the others are left to the caller); None: every
+    path the target has."""
 
-  def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]: ...
+  def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
+    """Per path, the logical array laid out as the request's ``sharding`` says (which
+    devices, which even split), with the request's shape and dtype."""
+
+  def pieces(self, leaf: Leaf) -> int | None:
+    """``k``, the even split to request for a split ``leaf``; None: ``even_pieces``."""
+
+  def in_place(self, leaves: list[Leaf], mesh: Mesh) -> dict[Path, jax.Array] | None:
+    """Every leaf of ``leaves`` already in the class sharding on ``mesh``, as it is
+    (nothing moves); None when the source cannot hand them over so."""
+
+  def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                  ) -> dict[Path, dict[jax.Device, jax.Array]]:
+    """Split leaves as ``[1, 1, *piece]`` buffers on each requested device, for the paths
+    the source holds so (a subset of ``requests``); ``read`` is asked for the rest."""
+
+  def describe(self) -> str:
+    """One line for logs naming the source."""
+
+
+class BaseSource:
+  """Defaults of ``LogicalSource``: every path, the default even split, nothing in place,
+  no ready blocks, the class name. Subclasses define ``read``.
+  """
+
+  def paths(self) -> set[Path] | None:
+    return None
+
+  def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
+    raise NotImplementedError(f"{type(self).__name__}.read")
+
+  def pieces(self, leaf: Leaf) -> int | None:
+    return None
+
+  def in_place(self, leaves: list[Leaf], mesh: Mesh) -> dict[Path, jax.Array] | None:
+    return None
+
+  def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                  ) -> dict[Path, dict[jax.Device, jax.Array]]:
+    return {}
+
+  def describe(self) -> str:
+    return type(self).__name__
 
 
 def per_device(array: jax.Array) -> dict[jax.Device, jax.Array]:
@@ -359,22 +402,18 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
   """
   leaves, treedef, nodes = leaves_of(target)
   available = source.paths()
-  choose = getattr(source, "pieces", None)  # a source may pick each leaf's even split
-  if choose is not None:
-    leaves = [dataclasses.replace(leaf, k=choose(leaf)) if leaf.layout is not None else leaf
-              for leaf in leaves]
+  # The source may pick each leaf's even split (None: the default).
+  leaves = [dataclasses.replace(leaf, k=source.pieces(leaf)) if leaf.layout is not None else leaf
+            for leaf in leaves]
   wanted = [leaf for leaf in leaves if available is None or leaf.path in available]
-  in_place = getattr(source, "in_place", None)  # state already on these devices, as wanted
-  kept = in_place(wanted, mesh) if in_place is not None else None
+  kept = source.in_place(wanted, mesh)  # state already on these devices, as wanted
   if kept is not None:
     return _rebuild(leaves, treedef, nodes, kept), set(kept)
   requests = {leaf.path: leaf.abstract(leaf.even_sharding(mesh)) for leaf in wanted}
   # A source that holds the pieces on devices already may hand them over as they are
   # ([1, 1, *piece] per device, split leaves only): no reshaping on every device.
-  read_blocks = getattr(source, "read_blocks", None)
   split = [leaf for leaf in wanted if leaf.layout is not None]
-  blocks = read_blocks({leaf.path: requests[leaf.path] for leaf in split}) if (
-      read_blocks and split) else {}
+  blocks = source.read_blocks({leaf.path: requests[leaf.path] for leaf in split}) if split else {}
   rest = {p: r for p, r in requests.items() if p not in blocks}
   arrays = source.read(rest) if rest else {}
   replicas = mesh.devices.shape[0]
@@ -393,7 +432,7 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
       pieces = []
       for row in mesh.devices:
         for j, device in enumerate(row):
-          if device.process_index != jax.process_index():
+          if not is_mine(device):
             continue  # another process supplies its own devices' pieces
           if j < leaf.pieces:
             pieces.append(by_device[device])

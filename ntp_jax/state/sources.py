@@ -14,10 +14,10 @@ import numpy as np
 from flax import nnx
 
 from ntp_jax.layers.params import TPParam
-from ntp_jax.state.placement import Path, is_variable, key_name
+from ntp_jax.state.placement import BaseSource, Path, is_variable, key_name
 
 
-class ArraySource:
+class ArraySource(BaseSource):
   """Logical arrays held by the host (numpy), e.g. imported weights or test data.
 
   ``device_put`` sends each device only its piece of the requested sharding.
@@ -39,7 +39,7 @@ class ArraySource:
             for p, r in requests.items()}
 
 
-class InitSource:
+class InitSource(BaseSource):
   """Fresh parameters: the model built at TP degree 1 gives the logical arrays.
 
   Every layout draws its parameters as logical arrays first

@@ -22,7 +22,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ntp_jax.parallel.topology import holds_mine, is_mine, mine, processes_of
 from ntp_jax.state.placement import (
+  BaseSource,
   Leaf,
   LogicalSource,
   Path,
@@ -38,10 +40,6 @@ from ntp_jax.state.placement import (
 
 ROW = "replica"
 PIECE = "piece"
-
-
-def _mine(device: jax.Device) -> bool:
-  return device.process_index == jax.process_index()
 
 
 def spanning_sharding(leaf: Leaf, rows: list[list[jax.Device]], k: int) -> NamedSharding:
@@ -78,30 +76,30 @@ def read_logical_spanning(classes: list[tuple[Any, Mesh]], t_min: int) -> dict[P
   k = {leaf.path: job_pieces(leaf, t_min) for leaf in leaves}
   local: dict[Path, list[jax.Array]] = {leaf.path: [] for leaf in leaves}
   for state, mesh in classes:
-    if any(_mine(d) for d in mesh.devices.flat):
+    if holds_mine(mesh):
       class_leaves, nodes, moved = even_pieces_of(
           state, mesh, k)
       held = {leaf.path: per_device(moved[leaf.path]) for leaf in class_leaves
               if leaf.layout is not None}
       split_pieces = per_device_map(drop_lead, {
           (path, device): by_device[device] for path, by_device in held.items()
-          for row in mesh.devices for device in row[:k[path]] if _mine(device)})
+          for row in mesh.devices for device in row[:k[path]] if is_mine(device)})
       for leaf, node in zip(class_leaves, nodes):
         for r, row in enumerate(mesh.devices):
           if leaf.layout is not None:
             local[leaf.path] += [split_pieces[(leaf.path, d)] for d in row[:k[leaf.path]]
-                                 if _mine(d)]
+                                 if is_mine(d)]
           else:
-            mine = [d for d in row if _mine(d)]
-            if mine:  # a copy from one of this process's devices of the row, to each of them
-              copy = copy_of_replica(node, leaf, mine[0], r)
-              local[leaf.path] += [jax.device_put(copy, d) for d in mine]
+            own = mine(row)
+            if own:  # a copy from one of this process's devices of the row, to each of them
+              copy = copy_of_replica(node, leaf, own[0], r)
+              local[leaf.path] += [jax.device_put(copy, d) for d in own]
   return {leaf.path: jax.make_array_from_single_device_arrays(
       leaf.shape, spanning_sharding(leaf, rows, k[leaf.path]), local[leaf.path],
       dtype=leaf.dtype) for leaf in leaves}
 
 
-class SpanningSource:
+class SpanningSource(BaseSource):
   """Wraps a ``LogicalSource`` for a multi-process job: one collective read of every
   leaf over every replica (``spanning_sharding``), then each class placed from the
   pieces its devices hold (``placement.place_logical`` asks through ``read_blocks``,
@@ -131,6 +129,9 @@ class SpanningSource:
   def pieces(self, leaf: Leaf) -> int:
     return job_pieces(leaf, self.t_min)
 
+  def describe(self) -> str:
+    return f"{self.source.describe()}, read once over every process"
+
   def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
     """Split leaves: ``path -> {device: [1, 1, *piece]}`` for this process's devices."""
@@ -150,7 +151,7 @@ class SpanningSource:
       sharding = request.sharding
       out[path] = jax.make_array_from_single_device_arrays(
           request.shape, sharding,
-          [by_device[d] for d in sharding.mesh.devices.flat if _mine(d)], dtype=request.dtype)
+          [by_device[d] for d in mine(sharding.mesh)], dtype=request.dtype)
     return out
 
 
@@ -163,14 +164,14 @@ def processes_without_pieces(classes: list[tuple[Any, Mesh]], t_min: int) -> dic
   none. The same answer in every process: it depends on the plan only.
   """
   rows = [list(row) for _, mesh in classes for row in mesh.devices]
-  processes = {d.process_index for row in rows for d in row}
+  processes = processes_of(d for row in rows for d in row)
   leaves, _, _ = leaves_of(classes[0][0])
   missing: dict[int, str] = {}
   for leaf in leaves:
     if leaf.layout is None:
       continue
     k = job_pieces(leaf, t_min)
-    holders = {d.process_index for row in rows for d in row[:k]}
+    holders = processes_of(d for row in rows for d in row[:k])
     for process in sorted(processes - holders):
       missing.setdefault(process, leaf.name)
   return missing

@@ -25,14 +25,8 @@ from flax import nnx
 
 from ntp_jax.parallel.cost import flops_of
 from ntp_jax.parallel.plan import Plan, ReplicaClass
-from ntp_jax.parallel.replica_class import (
-  ClassProgram,
-  abstract_class_state,
-  abstract_sync_blocks,
-  class_shardings,
-  make_fused_step,
-  make_split_step,
-)
+from ntp_jax.parallel.programs import ClassProgram, abstract_class_state, class_shardings
+from ntp_jax.parallel.steps import FusedStep, SplitStep, StepSettings
 from ntp_jax.sharding.mesh import class_mesh
 from ntp_jax.train.model_spec import default_loss
 
@@ -90,18 +84,17 @@ def _with_shardings(abstract: Any, shardings: Any) -> Any:
 def abstract_program(plan: Plan, replica_class: ReplicaClass,
                      make_model: Callable[[Any], nnx.Module],
                      optimizer: optax.GradientTransformation, seq_len: int,
-                     devices: Sequence[jax.Device], loss: Callable[..., Any] = default_loss
-                     ) -> tuple[ClassProgram, jax.ShapeDtypeStruct]:
+                     devices: Sequence[jax.Device]) -> tuple[ClassProgram, jax.ShapeDtypeStruct]:
   """A class program whose state and batch are sharded ``ShapeDtypeStruct``s (no buffers).
 
-  Lowering its step functions with these compiles the real program.
+  Its ``step`` is None: ``FusedStep.build`` or ``SplitStep.build`` from its state gives the
+  step, whose ``lower`` with these arguments compiles the real programs.
   """
   mesh = class_mesh(replica_class.replicas, replica_class.live_slots, plan.tp, devices)
   graphdef, target = abstract_class_state(lambda: make_model(replica_class.layouts),
                                           len(replica_class.replicas), optimizer)
   state = _with_shardings(target, class_shardings(target, mesh))
-  program = ClassProgram(replica_class, mesh, graphdef, state["params"], state["opt_state"],
-                         loss=loss)
+  program = ClassProgram(replica_class, mesh, graphdef, state["params"], state["opt_state"])
   batch = jax.ShapeDtypeStruct((replica_class.batch_rows, seq_len + 1), np.int32,
                                sharding=program.batch_sharding)
   return program, batch
@@ -126,20 +119,17 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
     program as compiled (a scanned loop body counted once: see
     ``per_device_flops``).
   """
-  global_tokens = plan.global_batch * seq_len
+  settings = StepSettings(optimizer, clip_norm, plan.global_batch * seq_len, loss)
   t_min = min(c.degree for c in plan.classes)
   out = []
   for replica_class in plan.classes:
     program, batch = abstract_program(plan, replica_class, make_model, optimizer, seq_len,
-                                      devices, loss)
-    if len(plan.classes) == 1:
-      step = make_fused_step(program, optimizer, clip_norm, global_tokens)
-      compiled = [step.lower(program.params, program.opt_state, batch).compile()]
-    else:
-      grad, update = make_split_step(program, optimizer, clip_norm, global_tokens, t_min)
-      first = grad.lower(program.params, batch).compile()
-      blocks = abstract_sync_blocks(grad, program.params, batch, program.mesh)
-      compiled = [first, update.lower(program.params, program.opt_state, blocks).compile()]
+                                      devices)
+    state = (program.graphdef, program.params, program.opt_state, program.mesh, settings)
+    # Split halves with near-equal sync runs (regroups=None), not the job's regroup_plan.
+    step = FusedStep.build(*state) if len(plan.classes) == 1 else SplitStep.build(*state, t_min)
+    compiled = [lowered.compile() for lowered in step.lower(program.params, program.opt_state,
+                                                            batch)]
     memory = [c.memory_analysis() for c in compiled]
     params = device_bytes(program.params)
     out.append(ClassFootprint(

@@ -17,13 +17,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import Plan
-from ntp_jax.parallel.replica_class import (
-  JobStep,
-  ProgramCache,
-  build_class_programs,
-  logical_state,
-)
+from ntp_jax.parallel.programs import ProgramCache, build_class_programs, logical_state
 from ntp_jax.resilience.events import DeviceFailure, Event
 from ntp_jax.resilience.goodput import GoodputClock
 from ntp_jax.state.checkpoint import CheckpointError
@@ -40,7 +36,7 @@ class DatasetRows:
   """The rows ``[cursor, cursor + count)`` of the data walk, read only when sliced.
 
   A job step slices out the rows of the replicas whose devices this process
-  drives (``replica_class.class_batch``); nothing else is read.
+  drives (``programs.class_batch``); nothing else is read.
   """
 
   def __init__(self, dataset, cursor: int, count: int, seq_len: int):
@@ -141,8 +137,7 @@ class TrainingRun:
     if self.initial_source is None:
       return InitSource(lambda: self.make_model(plan.logical_layouts))
     source = self.initial_source()
-    describe = getattr(source, "describe", None)  # optional: not part of LogicalSource
-    self.log(f"parameters: from {describe() if describe else type(source).__name__}")
+    self.log(f"parameters: from {source.describe()}")
     return source
 
   def start(self, plan: Plan, source, step: int, cursor: int) -> None:

@@ -1,0 +1,125 @@
+"""One training step of the whole job over its class programs.
+
+With one class the step is the class's ``steps.FusedStep`` (the DP
+all-reduce inside the class program). With several: each class's gradient
+half (``steps.SplitStep``) leaves its gradients in sync buffers;
+``sync.CrossClassSync`` all-reduces the peer groups; each class's update
+half applies them. Programs of different classes are dispatched back to
+back and run concurrently on their own devices.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ntp_jax.parallel.plan import Plan
+from ntp_jax.parallel.programs import ClassProgram, ProgramCache, class_batch, covering_classes
+from ntp_jax.parallel.sync import CrossClassSync, synced_loss
+from ntp_jax.parallel.topology import holds_mine
+
+
+@functools.lru_cache(maxsize=16)
+def _read_loss(mesh: Mesh) -> Callable[..., Any]:
+  return jax.jit(synced_loss, out_shardings=NamedSharding(mesh, P()))
+
+
+class JobStep:
+  """One training step of the whole job over its class programs.
+
+  In a multi-process job each process calls the programs of the classes
+  that hold its devices (``local``), reads only those classes' batch rows,
+  and joins the cross-class all-reduce when it holds a core slot; the loss
+  comes back from the all-reduce, so no process reads another's devices.
+
+  Raises:
+    ValueError: this process holds no device of the plan.
+  """
+
+  def __init__(self, plan: Plan, programs: list[ClassProgram],
+               cache: ProgramCache | None = None):
+    self.plan = plan
+    self.programs = programs
+    self.local = [holds_mine(p.mesh) for p in programs]
+    if not any(self.local):
+      raise ValueError(f"process {jax.process_index()} holds no live device of the plan "
+                       f"(TP degrees {[r.degree for r in plan.replicas]})")
+    self.sync = None
+    if len(programs) > 1:
+      meshes, t_min = [p.mesh for p in programs], min(c.degree for c in plan.classes)
+      self.sync = (cache or ProgramCache()).get(
+          ("sync", tuple(meshes), t_min), "cross-class sync",
+          lambda: CrossClassSync(meshes, t_min))
+
+  @property
+  def first_local(self) -> ClassProgram:
+    return self.programs[self.local.index(True)]
+
+  def gradients_only(self, batch: Any) -> float:
+    """Loss and gradients of ``batch`` (synced across classes), not applied.
+
+    The work that a failure inside a step throws away; the state is unchanged.
+    """
+    if self.sync is None:
+      program = self.programs[0]
+      loss, grads = program.step.gradients(program.params, class_batch(program, batch, 0))
+      jax.block_until_ready(grads)
+      return float(loss)
+    synced = self._synced_buffers(batch)
+    jax.block_until_ready(synced)
+    i = self.local.index(True)
+    return float(_read_loss(self.programs[i].mesh)(synced[i]))
+
+  def eval_loss(self, sequences: np.ndarray) -> float:
+    """Mean next-token loss of ``sequences`` (int32 ``[n, seq_len + 1]``), no update.
+
+    Every replica holds the same parameters, so one class evaluates (one per
+    process group in a multi-process job, ``covering_classes``): each of its
+    replicas computes every row, in chunks of the class's training batch
+    share (so activations fit as in a step; a shorter last chunk compiles
+    once more).
+    """
+    value = None
+    for i in covering_classes(self.programs):
+      if not self.local[i]:
+        continue
+      program = self.programs[i]
+      rows = program.replica_class.batch_share
+      replicated = NamedSharding(program.mesh, P())
+      total = 0.0
+      for start in range(0, len(sequences), rows):
+        chunk = np.asarray(sequences[start:start + rows], np.int32)
+        total += float(program.step.eval_loss(program.params, jax.make_array_from_callback(
+            chunk.shape, replicated, lambda index, c=chunk: c[index])))
+      value = total / (len(sequences) * (sequences.shape[1] - 1)) if value is None else value
+    return value
+
+  def _synced_buffers(self, batch: Any) -> list[dict | None]:
+    """Several classes: each local class's synced gradient buffers (None elsewhere)."""
+    buffers: list[dict | None] = []
+    for program, local, (start, _) in zip(self.programs, self.local, self.plan.class_rows()):
+      buffers.append(program.step.gradients(program.params, class_batch(program, batch, start))
+                     if local else None)
+    return self.sync(buffers)
+
+  def __call__(self, batch: Any) -> dict[str, jax.Array]:
+    """``batch``: int32 ``[plan.global_batch, seq + 1]`` rows in class order (or a lazy
+    ``loop.DatasetRows``); returns the job's ``loss`` and ``grad_norm``, replicated over a
+    class mesh this process holds."""
+    if self.sync is None:  # one class: the fused step reads the batch itself
+      inputs = [class_batch(self.programs[0], batch, 0)]
+    else:
+      inputs = self._synced_buffers(batch)
+    metrics = None
+    for program, local, x in zip(self.programs, self.local, inputs):
+      if local:
+        program.params, program.opt_state, class_metrics = program.step.apply(
+            program.params, program.opt_state, x)
+        metrics = metrics or class_metrics
+    return metrics

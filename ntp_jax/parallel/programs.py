@@ -1,0 +1,269 @@
+"""Programs of the replica classes: each class's state, placed on its sub-mesh, and its step.
+
+A class program runs over its own ``('dp', 'tp')`` sub-mesh and keeps one
+copy of parameters and optimizer state per replica (``shard.replica_specs``).
+Its step (``steps.FusedStep`` with one class, ``steps.SplitStep`` with
+several) is taken from a ``ProgramCache``, so a plan met again compiles
+nothing. ``job_step.JobStep`` runs one step of every class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ntp_jax.layers.params import TPParam
+from ntp_jax.parallel.plan import Plan, ReplicaClass
+from ntp_jax.parallel.steps import ClassStep, FusedStep, SplitStep, StepSettings
+from ntp_jax.parallel.sync import regroup_plan
+from ntp_jax.parallel.sync_leaf import sync_leaves
+from ntp_jax.parallel.topology import holds_mine, processes_of
+from ntp_jax.sharding.mesh import DP, TP, class_mesh
+from ntp_jax.sharding.shard import replica_specs, spec_shardings, stack_replicas, unstack_local
+from ntp_jax.state.placement import LogicalSource, place_logical, read_logical
+from ntp_jax.state.sources import InitSource
+from ntp_jax.state.spanning import SpanningSource, read_logical_spanning
+from ntp_jax.train.model_spec import default_loss
+
+
+@dataclasses.dataclass
+class ClassProgram:
+  """State and compiled step of one replica class.
+
+  Attributes:
+    replica_class: the plan's class. mesh: its ``('dp', 'tp')`` sub-mesh.
+    graphdef: the model's graph at the class's layouts.
+    params, opt_state: replica-stacked state in ``class_shardings`` (abstract
+      for a class of another process).
+    step: the class's ``steps.ClassStep``; None where no step runs on this
+      copy (a class with no device in this process; ``footprint``'s
+      abstract programs, which build the step they lower).
+  """
+
+  replica_class: ReplicaClass
+  mesh: Mesh
+  graphdef: nnx.GraphDef
+  params: nnx.State  # replica-stacked
+  opt_state: Any
+  step: ClassStep | None = None
+
+  @property
+  def replicas(self) -> int:
+    return len(self.replica_class.replicas)
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P(DP))
+
+
+def abstract_params(make_model: Callable[[], nnx.Module]) -> nnx.State:
+  """Shapes and dtypes of one copy of the parameters, allocating nothing."""
+  return nnx.split(nnx.eval_shape(make_model))[1]
+
+
+def abstract_class_state(make_model: Callable[[], nnx.Module], replicas: int,
+                         optimizer: optax.GradientTransformation
+                         ) -> tuple[nnx.GraphDef, dict[str, Any]]:
+  """The graph and the abstract replica-stacked state ``{"params", "opt_state"}`` of a class."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+  params = jax.eval_shape(lambda s: stack_replicas(s, replicas), abstract)
+  return graphdef, {"params": params, "opt_state": jax.eval_shape(optimizer.init, params)}
+
+
+def init_stacked_params(make_model: Callable[[], nnx.Module], mesh: Mesh,
+                        replicas: int) -> tuple[nnx.GraphDef, nnx.State]:
+  """Parameters built directly in their sharded, replica-stacked layout on ``mesh``."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+  shardings = spec_shardings(replica_specs(abstract), mesh)
+  params = jax.jit(lambda: stack_replicas(nnx.split(make_model())[1], replicas),
+                   out_shardings=shardings)()
+  return graphdef, params
+
+
+def class_shardings(tree: Any, mesh: Mesh) -> Any:
+  """Sharding of every leaf of a class state: ``P('dp', 'tp')`` for ``TPParam`` blocks,
+  ``P('dp')`` for other variables (replica-stacked), ``P()`` for bare arrays (step counts).
+
+  Initialisation, placement and the step all use these, so a state made any
+  way meets the same compiled step.
+  """
+  def sharding(x):
+    if isinstance(x, nnx.Variable):
+      return x.replace(NamedSharding(mesh, P(DP, TP) if isinstance(x, TPParam) else P(DP)))
+    return NamedSharding(mesh, P())
+  return jax.tree.map(sharding, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State, mesh: Mesh):
+  """Optimizer state on the class mesh, in ``class_shardings`` (moments follow their
+  parameter, step counts replicated)."""
+  abstract = jax.eval_shape(optimizer.init, params)
+  return jax.jit(optimizer.init, out_shardings=class_shardings(abstract, mesh))(params)
+
+
+class ProgramCache:
+  """Steps of class programs by layout, devices and step settings, and cross-class syncs.
+
+  A plan met again (a repaired replica back at its old layout, a second
+  failure that gives a layout seen before) reuses the steps, whose
+  executables JAX keeps: it compiles nothing. ``events`` records each lookup
+  as ``(description, hit)``.
+  """
+
+  def __init__(self):
+    self._entries: dict[Any, Any] = {}
+    self.events: list[tuple[str, bool]] = []
+
+  def get(self, key: Hashable, what: str, make: Callable[[], Any]) -> Any:
+    hit = key in self._entries
+    if not hit:
+      self._entries[key] = make()
+    self.events.append((what, hit))
+    return self._entries[key]
+
+  @property
+  def hits(self) -> int:
+    return sum(hit for _, hit in self.events)
+
+  @property
+  def misses(self) -> int:
+    return sum(not hit for _, hit in self.events)
+
+
+def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
+                         optimizer: optax.GradientTransformation, clip_norm: float,
+                         global_tokens: int, devices: Sequence[jax.Device], *,
+                         source: LogicalSource | None = None,
+                         cache: ProgramCache | None = None,
+                         loss: Callable[..., Any] = default_loss,
+                         optimizer_key: Hashable | None = None) -> list[ClassProgram]:
+  """Place every class's parameters and optimizer state and make its step.
+
+  Args:
+    make_model: ``layouts -> module``; the same seed must give the same
+      logical parameters for every layout.
+    source: logical state to start from (``ntp_jax.state.placement``): a
+      checkpoint, a live replica, ...; default: fresh parameters of the
+      degree-1 model (``InitSource``). Optimizer state the source does not
+      hold starts from ``optimizer.init``.
+    cache: reuse steps made for an equal class before.
+    loss: ``(module, tokens, targets) -> f32`` sum over a device's rows.
+    optimizer_key: names the optimizer's settings in the cache key
+      (``steps.StepSettings``); default: the optimizer object.
+
+  Raises:
+    ValueError: the source holds part of the optimizer state only.
+    TypeError: the optimizer is not hashable and no ``optimizer_key`` is given.
+  """
+  settings = StepSettings(optimizer, clip_norm, global_tokens, loss, optimizer_key)
+  cache = cache or ProgramCache()
+  if source is None:
+    source = InitSource(lambda: make_model(plan.logical_layouts))
+  meshes = [class_mesh(c.replicas, c.live_slots, plan.tp, devices) for c in plan.classes]
+  targets = [abstract_class_state(lambda c=c: make_model(c.layouts), len(c.replicas), optimizer)
+             for c in plan.classes]
+  t_min = min(c.degree for c in plan.classes)
+  if jax.process_count() > 1:  # one collective read for every class (see ntp_jax.state.spanning)
+    source = SpanningSource(source, targets[0][1], meshes, t_min)
+  regroups = None
+  if len(plan.classes) > 1:  # where each element is synced: chosen once, for every class
+    regroups = regroup_plan([(sync_leaves(jax.eval_shape(unstack_local, t["params"]), c.degree,
+                                          t_min), len(c.replicas))
+                             for c, (_, t) in zip(plan.classes, targets)], t_min)
+  programs = []
+  for replica_class, mesh, (graphdef, target) in zip(plan.classes, meshes, targets):
+    if not holds_mine(mesh):  # another process's class: its state stays abstract here
+      programs.append(ClassProgram(replica_class, mesh, graphdef, target["params"],
+                                   target["opt_state"]))
+      continue
+    state, filled = place_logical(target, mesh, source)
+    opt_paths = {p for p in filled if p[0] == "opt_state"}
+    if not opt_paths:
+      opt_state = init_opt_state(optimizer, state["params"], mesh)
+    elif len(opt_paths) == len(jax.tree.leaves(target["opt_state"])):
+      opt_state = state["opt_state"]
+    else:
+      raise ValueError(f"optimizer state: the source holds {len(opt_paths)} of "
+                       f"{len(jax.tree.leaves(target['opt_state']))} leaves")
+    step = cached_step(cache, replica_class, graphdef, state["params"], opt_state, mesh,
+                       settings, classes=len(plan.classes), t_min=t_min, regroups=regroups)
+    programs.append(ClassProgram(replica_class, mesh, graphdef, state["params"], opt_state, step))
+  return programs
+
+
+def cached_step(cache: ProgramCache, replica_class: ReplicaClass, graphdef: nnx.GraphDef,
+                params: Any, opt_state: Any, mesh: Mesh, settings: StepSettings, *,
+                classes: int, t_min: int, regroups: dict | None) -> ClassStep:
+  """The class's step from ``cache``, made on a miss: fused with one class, split with several.
+
+  Keyed by the mesh (devices), the class's layouts, ``t_min``, the step
+  settings' ``key`` and (split) the regroups: everything the compiled
+  programs depend on.
+  """
+  fused = classes == 1
+  key = (mesh, replica_class.layouts, fused, t_min, settings.key)
+  what = (f"class program (TP degree {replica_class.degree}, "
+          f"replicas {list(replica_class.replicas)})")
+  if fused:
+    return cache.get(key, what, lambda: FusedStep.build(graphdef, params, opt_state, mesh,
+                                                        settings))
+  key += (tuple(sorted(regroups.items())),)
+  return cache.get(key, what, lambda: SplitStep.build(graphdef, params, opt_state, mesh,
+                                                      settings, t_min, regroups))
+
+
+def logical_state(programs: list[ClassProgram]) -> dict:
+  """The job's state in logical form (``placement.read_logical`` of the first class).
+
+  Every replica holds identical state, so one replica's copy is the job's. In
+  a multi-process job the arrays span every replica (``spanning``), each
+  process holding its own devices' pieces, as orbax's collective save wants.
+  """
+  if jax.process_count() > 1:
+    t_min = min(p.replica_class.degree for p in programs)
+    return read_logical_spanning(
+        [({"params": p.params, "opt_state": p.opt_state}, p.mesh) for p in programs], t_min)
+  program = programs[0]
+  return read_logical({"params": program.params, "opt_state": program.opt_state}, program.mesh)
+
+
+def class_batch(program: ClassProgram, batch: Any, start: int) -> jax.Array:
+  """The class's rows ``batch[start:start + class rows]`` as a ``P('dp')`` array.
+
+  ``batch`` is anything sliceable by rows with a ``shape`` (a numpy array,
+  ``loop.DatasetRows``): only the rows of the replicas whose devices this
+  process drives are read, once per replica.
+  """
+  rows = program.replica_class.batch_rows
+  read: dict[tuple[int, int], np.ndarray] = {}
+
+  def rows_of(index):
+    lo, hi = index[0].start or 0, rows if index[0].stop is None else index[0].stop
+    if (lo, hi) not in read:
+      read[(lo, hi)] = np.asarray(batch[start + lo:start + hi], np.int32)
+    return read[(lo, hi)]
+
+  return jax.make_array_from_callback((rows, batch.shape[1]), program.batch_sharding, rows_of)
+
+
+def covering_classes(programs: list[ClassProgram]) -> list[int]:
+  """Classes that, between them, hold a device of every process (first classes first).
+
+  Work that one copy of the state suffices for (evaluation) runs on these:
+  every process takes part in a program of each one it holds a device of.
+  """
+  chosen, covered = [], set()
+  for i, program in enumerate(programs):
+    processes = processes_of(program.mesh)
+    if not processes <= covered:
+      chosen.append(i)
+      covered |= processes
+  return chosen

@@ -1,0 +1,321 @@
+"""The compiled step of one replica class: fused (one class) or split (several).
+
+A class step is built once, from the class's state (shapes and shardings)
+and ``StepSettings``; every function it holds is wrapped in ``jax.jit`` at
+construction, which compiles nothing until the first call (or ``lower``).
+
+- ``FusedStep``: the job has one class. Gradients, the DP all-reduce (a
+  ``psum`` over ``'dp'`` inside the class program) and the optimizer update
+  run in one program.
+- ``SplitStep``: the job has several classes. The gradient half leaves the
+  gradients in flat sync buffers (``sync.to_sync_blocks``); after
+  ``sync.CrossClassSync`` the update half takes them back to the class
+  layout and applies the update.
+
+Both satisfy ``ClassStep``: ``apply`` (one step, what ``gradients`` left
+for it), ``gradients`` (the work a failure inside a step throws away),
+``eval_loss`` and ``lower`` (every program of the step, for cost and memory
+analysis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ntp_jax.layers.params import sum_shared_grads
+from ntp_jax.parallel.regroup import Regroup
+from ntp_jax.parallel.sync import (
+  from_sync_blocks,
+  pack_buffers,
+  synced_loss,
+  to_sync_blocks,
+  unpack_buffers,
+)
+from ntp_jax.parallel.sync_leaf import sync_leaves
+from ntp_jax.sharding.mesh import DP, TP
+from ntp_jax.sharding.shard import replica_specs, restack_local, spec_shardings, unstack_local
+from ntp_jax.train.model_spec import default_loss
+from ntp_jax.train.optim import clip_by_logical_norm, logical_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+  """What a class step needs besides the class's state; ``key`` names it in a cache.
+
+  Attributes:
+    optimizer: the optax transformation.
+    clip_norm: clip the logical gradient norm to this (``train.clip_norm``).
+    global_tokens: predicted tokens in the whole step, over every class.
+    loss: ``(module, tokens, targets) -> f32`` sum over a device's rows.
+    optimizer_key: a hashable description of the optimizer's settings; two
+      steps whose settings have equal keys share compiled programs. Default:
+      the optimizer object itself (equal only to itself; the key holds it,
+      so it is never mistaken for a later optimizer).
+
+  Raises:
+    TypeError: the key is not hashable (pass an ``optimizer_key``).
+  """
+
+  optimizer: optax.GradientTransformation
+  clip_norm: float
+  global_tokens: int
+  loss: Callable[..., Any] = default_loss
+  optimizer_key: Hashable | None = None
+
+  def __post_init__(self):
+    try:
+      hash(self.key)
+    except TypeError as err:
+      raise TypeError(f"step settings: the optimizer cannot key a program cache ({err}); "
+                      "pass optimizer_key, a hashable description of its settings") from None
+
+  @property
+  def key(self) -> tuple:
+    optimizer = self.optimizer if self.optimizer_key is None else self.optimizer_key
+    return (optimizer, self.clip_norm, self.global_tokens, self.loss)
+
+
+class ClassStep(Protocol):
+  """The compiled work of one replica class in a training step.
+
+  ``params`` and ``opt_state`` are the class's replica-stacked state
+  (``programs.class_shardings``); ``batch`` is int32
+  ``[class rows, seq_len + 1]`` in ``P('dp')``.
+  """
+
+  def apply(self, params: Any, opt_state: Any, inputs: Any) -> tuple[Any, Any, dict]:
+    """One optimizer step: ``(params, opt_state, {"loss", "grad_norm"})``, state donated.
+
+    ``inputs``: the batch (``FusedStep``) or the synced gradient buffers
+    (``SplitStep``, after ``sync.CrossClassSync``).
+    """
+
+  def gradients(self, params: Any, batch: jax.Array) -> Any:
+    """The gradient half alone (nothing applied): ``FusedStep``: ``(loss, grads)``
+    all-reduced over the class; ``SplitStep``: the sync buffers."""
+
+  def eval_loss(self, params: Any, rows: jax.Array) -> jax.Array:
+    """f32: the summed loss of ``rows`` (int32 ``[n, seq_len + 1]``, replicated)."""
+
+  def lower(self, params: Any, opt_state: Any, batch: Any) -> list[jax.stages.Lowered]:
+    """Every program of one step, lowered for these (maybe abstract) arguments."""
+
+
+def _local_grads(graphdef, params_local, batch, global_tokens, loss):
+  """Inside the body: this replica's loss share and gradients on its local blocks."""
+  params = unstack_local(params_local)
+
+  def loss_of(p):
+    # batch: int32 [local sequences, seq + 1]
+    return loss(nnx.merge(graphdef, p), batch[:, :-1], batch[:, 1:]) / global_tokens
+
+  loss, grads = jax.value_and_grad(loss_of)(params)
+  return loss, sum_shared_grads(grads)
+
+
+def _update(optimizer, clip_norm, replicas):
+  def update(params, opt_state, grads):
+    norm = logical_norm(grads, replicas, stacked=True)
+    grads = clip_by_logical_norm(grads, norm, clip_norm)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, norm
+  return update
+
+
+def _shardings_of(tree: Any) -> Any:
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def make_loss_and_grad(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
+                       global_tokens: int, loss: Callable[..., Any] = default_loss
+                       ) -> Callable[..., Any]:
+  """``f(params, batch) -> (loss, grads)`` for one class, all-reduced over its replicas.
+
+  Args:
+    graphdef, params: the model and its replica-stacked parameters (for the specs).
+    mesh: the class mesh.
+    global_tokens: predicted tokens in the whole step, over every class.
+    loss: ``(module, tokens, targets) -> f32`` sum over the local rows
+      (``model_spec.ModelSpec.loss``; default ``module.loss_sum``).
+
+  The function takes ``batch: int32 [class sequences, seq_len + 1]`` and
+  returns the class's share of the mean loss (f32 scalar) and its gradient,
+  replica-stacked like ``params``. Not jitted.
+  """
+  specs = replica_specs(params)
+
+  def body(params_local, batch):
+    value, grads = _local_grads(graphdef, params_local, batch, global_tokens, loss)
+    # DP all-reduce inside the class: every replica holds the same layout.
+    return jax.lax.psum(value, DP), restack_local(jax.lax.psum(grads, DP))
+
+  return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DP)), out_specs=(P(), specs))
+
+
+def make_eval_loss(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
+                   loss: Callable[..., Any] = default_loss) -> Callable[..., Any]:
+  """``f(params, rows) -> f32``: the summed loss of ``rows``, computed by every replica.
+
+  ``rows`` is int32 ``[n, seq_len + 1]``, replicated over the class mesh. Not jitted.
+  """
+  specs = replica_specs(params)
+
+  def body(params_local, rows):
+    model = nnx.merge(graphdef, unstack_local(params_local))
+    # Every replica computed the same value: the mean makes that visible to shard_map.
+    return jax.lax.pmean(loss(model, rows[:, :-1], rows[:, 1:]), DP)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P())
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedStep:
+  """One class: gradients, DP all-reduce and update in one program (a ``ClassStep``).
+
+  Attributes:
+    step: jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``,
+      state donated; ``metrics`` holds ``loss`` and ``grad_norm`` (f32 scalars).
+    grads: jitted ``make_loss_and_grad``: ``(params, batch) -> (loss, grads)``.
+    evaluate: jitted ``make_eval_loss``.
+  """
+
+  step: Callable[..., Any]
+  grads: Callable[..., Any]
+  evaluate: Callable[..., Any]
+
+  @classmethod
+  def build(cls, graphdef: nnx.GraphDef, params: Any, opt_state: Any, mesh: Mesh,
+            settings: StepSettings) -> FusedStep:
+    """The step of a class over ``mesh`` whose state is ``params`` and ``opt_state``
+    (arrays or ``ShapeDtypeStruct``s carrying the class shardings)."""
+    specs = replica_specs(params)
+    grads_fn = make_loss_and_grad(graphdef, params, mesh, settings.global_tokens, settings.loss)
+    update = _update(settings.optimizer, settings.clip_norm, mesh.devices.shape[0])
+
+    def step(params, opt_state, batch):
+      loss, grads = grads_fn(params, batch)
+      params, opt_state, norm = update(params, opt_state, grads)
+      return params, opt_state, {"loss": loss, "grad_norm": norm}
+
+    shardings = spec_shardings(specs, mesh)
+    opt_shardings = _shardings_of(opt_state)
+    return cls(
+        step=jax.jit(step, donate_argnums=(0, 1),
+                     in_shardings=(shardings, opt_shardings, NamedSharding(mesh, P(DP))),
+                     out_shardings=(shardings, opt_shardings, None)),
+        grads=jax.jit(grads_fn),
+        evaluate=jax.jit(make_eval_loss(graphdef, params, mesh, settings.loss)))
+
+  def apply(self, params, opt_state, inputs):
+    return self.step(params, opt_state, inputs)
+
+  def gradients(self, params, batch):
+    return self.grads(params, batch)
+
+  def eval_loss(self, params, rows):
+    return self.evaluate(params, rows)
+
+  def lower(self, params, opt_state, batch) -> list[jax.stages.Lowered]:
+    return [self.step.lower(params, opt_state, batch)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitStep:
+  """A class among several: the gradient half and the update half (a ``ClassStep``).
+
+  Attributes:
+    grad: jitted ``(params, batch) -> buffers``: ``dtype -> [replicas, degree, L]``
+      (``P('dp', 'tp')``), every parameter's sync block packed into one flat
+      buffer per dtype, the replica's loss share last in the ``float32`` one.
+    update: jitted ``(params, opt_state, buffers) -> (params, opt_state, metrics)``
+      after ``sync.CrossClassSync``, state donated; ``metrics`` holds the
+      job's ``loss`` and ``grad_norm``, replicated over the class mesh.
+    evaluate: jitted ``make_eval_loss``.
+    mesh: the class mesh (for the abstract buffers in ``lower``).
+  """
+
+  grad: Callable[..., Any]
+  update: Callable[..., Any]
+  evaluate: Callable[..., Any]
+  mesh: Mesh
+
+  @classmethod
+  def build(cls, graphdef: nnx.GraphDef, params: Any, opt_state: Any, mesh: Mesh,
+            settings: StepSettings, t_min: int,
+            regroups: dict[str, Regroup] | None = None) -> SplitStep:
+    """As ``FusedStep.build``; ``t_min``: the job's smallest TP degree; ``regroups``:
+    the sync positions of each split parameter, the same for every class
+    (``sync.regroup_plan``; default near-equal runs)."""
+    specs = replica_specs(params)
+    degree = mesh.devices.shape[1]
+    # Computed once, host side: every walker of both halves reads these descriptors.
+    leaves = sync_leaves(jax.eval_shape(unstack_local, params), degree, t_min, regroups)
+
+    def grad_body(params_local, batch):
+      loss, grads = _local_grads(graphdef, params_local, batch, settings.global_tokens,
+                                 settings.loss)
+      buffers = pack_buffers(to_sync_blocks(grads, leaves), loss)
+      # Every slot's buffer is its own: stack them over 'dp' and 'tp'.
+      return {k: v[None] for k, v in buffers.items()}
+
+    block_specs = P(DP, TP)
+    batch_sharding = NamedSharding(mesh, P(DP))
+    grad_fn = jax.jit(jax.shard_map(grad_body, mesh=mesh, in_specs=(specs, P(DP)),
+                                    out_specs=block_specs),
+                      in_shardings=(spec_shardings(specs, mesh), batch_sharding))
+
+    def restore_body(buffers, params_local):
+      template = unstack_local(params_local)
+      local = unpack_buffers({k: v[0] for k, v in buffers.items()}, leaves)
+      return restack_local(from_sync_blocks(local, template, leaves))
+
+    restore = jax.shard_map(restore_body, mesh=mesh, in_specs=(block_specs, specs),
+                            out_specs=specs)
+    update = _update(settings.optimizer, settings.clip_norm, mesh.devices.shape[0])
+
+    def update_step(params, opt_state, buffers):
+      grads = restore(buffers, params)
+      params, opt_state, norm = update(params, opt_state, grads)
+      return params, opt_state, {"loss": synced_loss(buffers), "grad_norm": norm}
+
+    shardings = spec_shardings(specs, mesh)
+    opt_shardings = _shardings_of(opt_state)
+    replicated = NamedSharding(mesh, P())
+    update_fn = jax.jit(update_step, donate_argnums=(0, 1),
+                        out_shardings=(shardings, opt_shardings,
+                                       {"loss": replicated, "grad_norm": replicated}))
+    return cls(grad=grad_fn, update=update_fn,
+               evaluate=jax.jit(make_eval_loss(graphdef, params, mesh, settings.loss)),
+               mesh=mesh)
+
+  def apply(self, params, opt_state, inputs):
+    return self.update(params, opt_state, inputs)
+
+  def gradients(self, params, batch):
+    return self.grad(params, batch)
+
+  def eval_loss(self, params, rows):
+    return self.evaluate(params, rows)
+
+  def lower(self, params, opt_state, batch) -> list[jax.stages.Lowered]:
+    blocks = abstract_sync_blocks(self.grad, params, batch, self.mesh)
+    return [self.grad.lower(params, batch), self.update.lower(params, opt_state, blocks)]
+
+
+def abstract_sync_blocks(grad: Callable[..., Any], params: Any, batch: Any,
+                         mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+  """The sync buffers ``grad(params, batch)`` returns, as sharded ``ShapeDtypeStruct``s.
+
+  For lowering a class's update half without running its gradient half.
+  """
+  blocks = jax.eval_shape(grad, params, batch)
+  sharding = NamedSharding(mesh, P(DP, TP))
+  return {k: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding) for k, b in blocks.items()}
