@@ -80,12 +80,16 @@ def main(argv):
   simulate_cpu_devices(max(1, run_config.mesh.devices // processes))
 
   from ntp_jax.data import DataError
+  from ntp_jax.state.checkpoint import CheckpointError
   from ntp_jax.train.trainer import train
   job = None
   try:
     job = distributed.join(run_config.distributed)
     train(run_config)
   except (ConfigError, DataError) as err:
+    if isinstance(err, CheckpointError) and job is not None and job.heartbeat is not None:
+      # A collective save that failed is often a lost peer: let the heartbeat name it first.
+      job.heartbeat.wait_for_verdict()
     print(f"error: {err}", file=sys.stderr)
     _exit(job, 2)
   except Exception:

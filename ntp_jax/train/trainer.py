@@ -24,6 +24,7 @@ from ntp_jax.errors import ConfigError
 from ntp_jax.parallel.distributed import check_domains, join, ordered_devices
 from ntp_jax.parallel.plan import Plan, make_plan
 from ntp_jax.parallel.sync import sync_traffic
+from ntp_jax.parallel.topology import is_mine
 from ntp_jax.resilience.goodput import plot_run
 from ntp_jax.resilience.signals import StopSignals
 from ntp_jax.sharding.shard import replica_view
@@ -184,7 +185,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   plan = plan_of(config.ntp.failed)
   devices = check_devices(plan, job.processes_per_domain)
   if job.multi_process:
-    mine = [i for i, d in enumerate(devices) if d.process_index == job.process_id]
+    mine = [i for i, d in enumerate(devices) if is_mine(d)]
     log(f"process {job.process_id} of {job.num_processes}: {len(jax.local_devices())} local "
         f"devices, replicas {sorted({i // plan.tp for i in mine})}", always=True)
   metrics_path = os.path.join(config.workdir, "metrics.jsonl")
