@@ -32,8 +32,8 @@ from ntp_jax.layers import (
   stack_layers,
   vocab_parallel_cross_entropy,
 )
+from ntp_jax.layers.shard import to_logical
 from ntp_jax.sharding.layout import Layout, make_layout, units_of
-from ntp_jax.sharding.shard import to_logical
 from ntp_jax.state.placement import flatten
 from ntp_jax.train.model_spec import ModelSpec
 
@@ -174,7 +174,7 @@ class GPT(nnx.Module):
   """Llama-style decoder over one TP group's layouts.
 
   ``__call__`` and ``loss_sum`` run inside a ``shard_map`` body (see
-  ``ntp_jax.sharding.shard``) and see this device's blocks. The decoder blocks are one
+  ``ntp_jax.layers.shard``) and see this device's blocks. The decoder blocks are one
   stacked module (``ntp_jax.layers.stack_layers``): each block parameter has a
   layer axis, e.g. ``blocks.attn.wq`` is logically
   ``[n_layers, d_model, n_heads * head_dim]``. With ``cfg.tie_embeddings``

@@ -8,10 +8,10 @@ import optax
 from flax import nnx
 
 from models.gpt import GPT, GPTConfig, model_layouts
+from ntp_jax.layers.shard import replica_view, to_logical
 from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.programs import build_class_programs
-from ntp_jax.sharding.shard import replica_view, to_logical
 from ntp_jax.train.config import parse_failed, parse_weights
 
 # Uneven everywhere: 8 KV heads (16 query heads), d_ff 20 in units of 4, vocabulary 37.

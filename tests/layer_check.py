@@ -6,10 +6,10 @@ import numpy as np
 from flax import nnx
 
 from ntp_jax.layers import TPParam
+from ntp_jax.layers.shard import to_logical, tp_function
 from ntp_jax.sharding.blocks import from_blocks, to_blocks
 from ntp_jax.sharding.layout import Layout
 from ntp_jax.sharding.mesh import class_mesh
-from ntp_jax.sharding.shard import to_logical, tp_function
 
 RTOL, ATOL = 2e-5, 2e-6
 
@@ -67,7 +67,7 @@ def check_layer(module, args, arg_specs, out_spec, reference, *, out_layout=None
     arg_specs: one ``PartitionSpec`` per entry of ``args``.
     out_spec: ``PartitionSpec`` of the layer's output.
     reference: ``reference(logical_params, *args)``, the dense result, given
-      the module's parameters in logical form (``ntp_jax.sharding.shard.to_logical``)
+      the module's parameters in logical form (``ntp_jax.layers.shard.to_logical``)
       and the *same* ``args`` as the layer: it converts a split argument to
       logical form itself (``global_to_logical``), so the gradients of
       ``grad_args`` compare like for like.

@@ -1,7 +1,7 @@
 """Dense single-device references, written independently of ntp_jax.layers.
 
 Every function takes logical (unsharded, unpadded) weights as produced by
-``ntp_jax.sharding.shard.to_logical`` and uses only jax.numpy.
+``ntp_jax.layers.shard.to_logical`` and uses only jax.numpy.
 """
 
 import jax

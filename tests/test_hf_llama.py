@@ -22,9 +22,9 @@ import configs.base
 from models.gpt import GPT, GPTConfig, model_layouts
 from ntp_jax.errors import ConfigError
 from ntp_jax.interop.hf_llama import HFSource, export_hf, read_hf_config, tokenizer_file
+from ntp_jax.layers.shard import replica_view, to_logical, tp_call
 from ntp_jax.parallel.programs import abstract_class_state
 from ntp_jax.sharding.mesh import TP, class_mesh
-from ntp_jax.sharding.shard import replica_view, to_logical, tp_call
 from ntp_jax.state.placement import flatten, place_logical
 
 _FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")

@@ -21,8 +21,8 @@ from ntp_jax.layers import (
   rope_angles,
   vocab_parallel_cross_entropy,
 )
+from ntp_jax.layers.shard import tp_call
 from ntp_jax.sharding.layout import make_layout
-from ntp_jax.sharding.shard import tp_call
 
 B, S = 2, 5
 
@@ -125,7 +125,7 @@ def test_cross_entropy_pinned_values():
   labels = jnp.array(3)
   loss = tp_call(module, mesh_for(layout), labels, fn=_cross_entropy_fn(layout))
   np.testing.assert_allclose(loss, 0.4401897, rtol=1e-6)
-  from ntp_jax.sharding.shard import to_logical
+  from ntp_jax.layers.shard import to_logical
   grad = jax.grad(lambda m: tp_call(m, mesh_for(layout), labels, fn=_cross_entropy_fn(layout)))(
       module)
   np.testing.assert_allclose(to_logical(nnx.state(grad))["logits"],
@@ -187,8 +187,8 @@ def test_attention_with_shared_kv_groups_on_rows(rows):
 
 
 def test_shared_kv_groups_do_less_work_per_device_than_padding():
+  from ntp_jax.layers.shard import tp_function
   from ntp_jax.parallel.cost import compiled_flops
-  from ntp_jax.sharding.shard import tp_function
   flops = {}
   for share in (False, True):
     layout = make_layout(8, 3, share_remainder=share)

@@ -9,10 +9,10 @@ from layer_check import assert_padding_zero
 from tp_cases import TP_GROUPS, group_id
 
 from models.gpt import GPT, GPTConfig, count_params, model_layouts
+from ntp_jax.layers.shard import replica_view, to_logical
 from ntp_jax.parallel.programs import abstract_params, init_stacked_params
 from ntp_jax.parallel.steps import make_loss_and_grad
 from ntp_jax.sharding.mesh import class_mesh
-from ntp_jax.sharding.shard import replica_view, to_logical
 
 # Sizes that do not divide: 8 KV heads, 16 query heads, d_ff 20 in units of 4, vocabulary 37.
 CFG = GPTConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=4,

@@ -104,7 +104,7 @@ def test_every_replica_keeps_identical_optimizer_state():
   """AdamW moments of every replica (healthy and reduced) agree in logical form."""
   import jax
 
-  from ntp_jax.sharding.shard import replica_view, to_logical
+  from ntp_jax.layers.shard import replica_view, to_logical
   adamw = optax.adamw(1e-2, b2=0.95, weight_decay=0.1)
   _, _, _, programs = run_job(tp=4, dp=2, failed="1:2", steps=3, optimizer=adamw)
   moments = []

@@ -12,12 +12,12 @@ import configs.gpt_tiny
 from models.gpt import model_layouts
 from ntp_jax.errors import ConfigError
 from ntp_jax.layers import TPParam
+from ntp_jax.layers.shard import stack_replicas
+from ntp_jax.parallel.grad_norm import clip_by_logical_norm, logical_norm
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.sharding.blocks import to_blocks
 from ntp_jax.sharding.layout import make_layout
-from ntp_jax.sharding.shard import stack_replicas
 from ntp_jax.train.config import RunConfig, parse_failed, parse_weights
-from ntp_jax.train.optim import clip_by_logical_norm, logical_norm
 
 _make_plan = functools.partial(make_plan, functools.partial(model_layouts, SMALL))
 

@@ -1,7 +1,7 @@
 """Flax NNX tensor-parallel layers over padded uneven blocks (local view).
 
 Each layer's ``__call__`` runs inside a ``jax.shard_map`` body over a mesh
-with a ``'tp'`` axis and sees this device's block; ``ntp_jax.sharding.shard.tp_call``
+with a ``'tp'`` axis and sees this device's block; ``ntp_jax.layers.shard.tp_call``
 runs a layer on global arrays.
 """
 

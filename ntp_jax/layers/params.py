@@ -43,13 +43,13 @@ def local_block(param: nnx.Variable) -> jax.Array:
 
   Raises:
     ValueError: the parameter still has its global slot axis, i.e. the layer
-      was called outside ``shard_map`` (use ``ntp_jax.sharding.shard.tp_call``).
+      was called outside ``shard_map`` (use ``ntp_jax.layers.shard.tp_call``).
   """
   value = param[...]
   if value.shape[0] != 1:
     raise ValueError(
         f"layer called outside shard_map: parameter has {value.shape[0]} slot blocks, "
-        "expected this device's one; run it through ntp_jax.sharding.shard.tp_call")
+        "expected this device's one; run it through ntp_jax.layers.shard.tp_call")
   return value[0]
 
 

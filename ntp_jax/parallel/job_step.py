@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from ntp_jax.parallel.plan import Plan
 from ntp_jax.parallel.programs import ClassProgram, ProgramCache, class_batch, covering_classes
 from ntp_jax.parallel.sync import CrossClassSync, synced_loss
-from ntp_jax.parallel.topology import holds_mine
+from ntp_jax.sharding.topology import holds_mine
 
 
 @functools.lru_cache(maxsize=16)

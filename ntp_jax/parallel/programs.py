@@ -21,17 +21,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.layers.params import TPParam
+from ntp_jax.layers.shard import replica_specs, spec_shardings, stack_replicas, unstack_local
 from ntp_jax.parallel.plan import Plan, ReplicaClass
-from ntp_jax.parallel.steps import ClassStep, FusedStep, SplitStep, StepSettings
+from ntp_jax.parallel.steps import ClassStep, FusedStep, SplitStep, StepSettings, default_loss
 from ntp_jax.parallel.sync import regroup_plan
 from ntp_jax.parallel.sync_leaf import sync_leaves
-from ntp_jax.parallel.topology import holds_mine, processes_of
 from ntp_jax.sharding.mesh import DP, TP, class_mesh
-from ntp_jax.sharding.shard import replica_specs, spec_shardings, stack_replicas, unstack_local
+from ntp_jax.sharding.topology import holds_mine, processes_of
 from ntp_jax.state.placement import LogicalSource, place_logical, read_logical
 from ntp_jax.state.sources import InitSource
 from ntp_jax.state.spanning import SpanningSource, read_logical_spanning
-from ntp_jax.train.model_spec import default_loss
 
 
 @dataclasses.dataclass

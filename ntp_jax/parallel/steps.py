@@ -31,6 +31,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.layers.params import sum_shared_grads
+from ntp_jax.layers.shard import replica_specs, restack_local, spec_shardings, unstack_local
+from ntp_jax.parallel.grad_norm import clip_by_logical_norm, logical_norm
 from ntp_jax.parallel.regroup import Regroup
 from ntp_jax.parallel.sync import (
   from_sync_blocks,
@@ -41,9 +43,11 @@ from ntp_jax.parallel.sync import (
 )
 from ntp_jax.parallel.sync_leaf import sync_leaves
 from ntp_jax.sharding.mesh import DP, TP
-from ntp_jax.sharding.shard import replica_specs, restack_local, spec_shardings, unstack_local
-from ntp_jax.train.model_spec import default_loss
-from ntp_jax.train.optim import clip_by_logical_norm, logical_norm
+
+
+def default_loss(model: nnx.Module, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+  """``model.loss_sum(tokens, targets)``: f32 sum of per-token losses over the local rows."""
+  return model.loss_sum(tokens, targets)
 
 
 @dataclasses.dataclass(frozen=True)

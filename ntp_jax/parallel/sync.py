@@ -48,8 +48,8 @@ from jax.sharding import PartitionSpec as P
 
 from ntp_jax.parallel.regroup import Regroup, choose_regroup
 from ntp_jax.parallel.sync_leaf import SplitSync, SyncLeaf, sync_leaves
-from ntp_jax.parallel.topology import holds_mine, is_mine, mine
 from ntp_jax.sharding.layout import Layout
+from ntp_jax.sharding.topology import holds_mine, is_mine, mine
 
 REPLICA = "replica"  # axis of the sync mesh: every live replica
 PEER = "peer"  # axis of the sync mesh: core slot position (peer group)

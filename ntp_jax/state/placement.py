@@ -3,7 +3,7 @@
 *Logical state* is the job's training state as a nested dict of arrays with
 real global shapes: no padding, no replica axis, shared units once. A class
 program holds it as padded per-slot blocks, one copy per replica
-(``ntp_jax.sharding.shard.replica_specs``). Initialisation, checkpoint restore and
+(``ntp_jax.layers.shard.replica_specs``). Initialisation, checkpoint restore and
 (later) weight import and live recovery all go the same way: the *target* is
 the class's abstract state (shapes, layouts, shardings); a *source* fills
 logical arrays laid out evenly over some of the class's devices; one program
@@ -41,10 +41,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.layers.params import TPParam
-from ntp_jax.parallel.topology import is_mine
 from ntp_jax.sharding.collectives import copy_shared_from_last, reshard_uneven
 from ntp_jax.sharding.layout import Layout, owner_layout
 from ntp_jax.sharding.mesh import DP, TP
+from ntp_jax.sharding.topology import is_mine
 
 Path = tuple[str, ...]
 GROUP_BYTES = 256 * 2**20  # per device: leaves moved together in one stacked array

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.parallel.topology import holds_mine, is_mine, mine, processes_of
+from ntp_jax.sharding.topology import holds_mine, is_mine, mine, processes_of
 from ntp_jax.state.placement import (
   BaseSource,
   Leaf,

@@ -26,9 +26,8 @@ from flax import nnx
 from ntp_jax.parallel.cost import flops_of
 from ntp_jax.parallel.plan import Plan, ReplicaClass
 from ntp_jax.parallel.programs import ClassProgram, abstract_class_state, class_shardings
-from ntp_jax.parallel.steps import FusedStep, SplitStep, StepSettings
+from ntp_jax.parallel.steps import FusedStep, SplitStep, StepSettings, default_loss
 from ntp_jax.sharding.mesh import class_mesh
-from ntp_jax.train.model_spec import default_loss
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ import numpy as np
 from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import Plan
 from ntp_jax.parallel.programs import ProgramCache, build_class_programs, logical_state
+from ntp_jax.parallel.steps import default_loss
 from ntp_jax.resilience.events import DeviceFailure, Event
 from ntp_jax.resilience.goodput import GoodputClock
 from ntp_jax.state.checkpoint import CheckpointError
@@ -29,7 +30,6 @@ from ntp_jax.state.sources import InitSource
 from ntp_jax.state.spanning import processes_without_pieces
 from ntp_jax.train.config import RunConfig
 from ntp_jax.train.hooks import Hook, StepInfo
-from ntp_jax.train.model_spec import default_loss
 
 
 class DatasetRows:

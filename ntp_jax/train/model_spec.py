@@ -18,14 +18,10 @@ import jax
 from flax import nnx
 
 from ntp_jax.errors import ConfigError
+from ntp_jax.parallel.steps import default_loss
 from ntp_jax.state.placement import LogicalSource
 
 Layouts = Any  # a model's layouts of one TP group; must be hashable and have ``degree``
-
-
-def default_loss(model: nnx.Module, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-  """``model.loss_sum(tokens, targets)``: f32 sum of per-token losses over the local rows."""
-  return model.loss_sum(tokens, targets)
 
 
 @dataclasses.dataclass(frozen=True)

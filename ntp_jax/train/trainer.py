@@ -21,13 +21,13 @@ import numpy as np
 
 from ntp_jax.data import make_dataset
 from ntp_jax.errors import ConfigError
+from ntp_jax.layers.shard import replica_view
 from ntp_jax.parallel.distributed import check_domains, join, ordered_devices
 from ntp_jax.parallel.plan import Plan, make_plan
 from ntp_jax.parallel.sync import sync_traffic
-from ntp_jax.parallel.topology import is_mine
 from ntp_jax.resilience.goodput import plot_run
 from ntp_jax.resilience.signals import StopSignals
-from ntp_jax.sharding.shard import replica_view
+from ntp_jax.sharding.topology import is_mine
 from ntp_jax.state.checkpoint import Checkpoints
 from ntp_jax.train.config import RunConfig, as_run_config
 from ntp_jax.train.footprint import ClassFootprint

@@ -1,0 +1,53 @@
+"""The norm of the logical gradient, and clipping by it.
+
+Clipping is done here rather than by ``optax.clip_by_global_norm`` because a
+class program stores one copy of the gradients per DP replica (see
+``ntp_jax.layers.shard.replica_specs``): the norm must count each logical
+element once, not once per replica. Padding is zero, so it adds nothing;
+shared units (held by every slot) count once. Source: Pascanu et al.,
+gradient clipping (arXiv:1211.5063).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ntp_jax.layers.params import TPParam
+
+
+def logical_norm(grads: nnx.State, replicas: int = 1, *, stacked: bool = False) -> jax.Array:
+  """L2 norm of the logical gradient: each logical element counted once.
+
+  Args:
+    grads: gradients as padded blocks (padding is zero); with ``stacked``,
+      replica-stacked (every replica's copy equal).
+    replicas: length of the leading replica axis when ``stacked``.
+    stacked: whether leaves carry a leading replica axis.
+
+  Shared units (``Layout.shared_units``) are held by every slot; their
+  squares are divided by the TP degree so they count once.
+  """
+  lead = 1 if stacked else 0
+  total = jnp.zeros((), jnp.float32)
+  for _, v in nnx.to_flat_state(grads):
+    g = v.get_value().astype(jnp.float32)
+    squares = g * g
+    layout = getattr(v, "tp_layout", None)
+    if isinstance(v, TPParam) and layout.shared_units:
+      axis = lead + 1 + v.tp_axis
+      shape = [1] * g.ndim
+      shape[axis] = layout.block
+      shared = jnp.arange(layout.block) >= layout.own_size
+      squares = squares * jnp.where(shared, 1.0 / layout.degree, 1.0).reshape(shape)
+    total = total + jnp.sum(squares)
+  return jnp.sqrt(total / (replicas if stacked else 1))
+
+
+def clip_by_logical_norm(grads: nnx.State, norm: jax.Array, clip_norm: float) -> nnx.State:
+  """Scale ``grads`` by ``clip_norm / norm`` when ``norm > clip_norm`` (0 disables)."""
+  if not clip_norm:
+    return grads
+  scale = jnp.where(norm > clip_norm, clip_norm / norm, 1.0)
+  return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
