@@ -7,7 +7,7 @@ import jax
 import optax
 import pytest
 from flax import nnx
-from job_harness import SMALL
+from helpers import SMALL
 
 from models.gpt import GPT, model_layouts
 from ntp_jax.parallel.cost import class_step_flops

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from test_train import tiny_config
+from helpers import tiny_config
 
 from examples.mlp_lm import model_spec
 from ntp_jax.errors import ConfigError

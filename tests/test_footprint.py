@@ -10,7 +10,7 @@ import time
 
 import jax
 import pytest
-from test_train import ROOT, tiny_config
+from helpers import ROOT, tiny_config
 
 import configs.gpt_8b
 from models.gpt import GPTConfig, count_params, gpt_spec

@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 import pytest
+from helpers import tiny_config
 from safetensors.numpy import load_file
-from test_train import tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.gpt import GPTConfig

@@ -6,7 +6,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from test_train import tiny_config
+from helpers import run_job, tiny_config
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.state.peer import poison
@@ -94,7 +94,6 @@ def test_a_failure_that_drops_a_replica_live_equals_restart(workdir, tmp_path):
 
 
 def test_poison_overwrites_only_the_failed_devices():
-  from job_harness import run_job
   _, _, _, programs = run_job(tp=4, dp=2, steps=1)
   program = programs[0]
   dead = {program.mesh.devices[0, 3]}

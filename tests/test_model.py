@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import reference as ref
 from flax import nnx
+from helpers import run_job
 from layer_check import assert_padding_zero
 from tp_cases import TP_GROUPS, group_id
 
@@ -146,7 +147,6 @@ def test_gpt_8b_shapes_and_parameter_count_without_allocating():
 
 
 def test_padding_stays_zero_after_optimizer_steps():
-  from job_harness import run_job
   _, _, _, programs = run_job(tp=8, dp=1, failed="3", steps=3)
   assert_padding_zero(replica_view(programs[0].params))
   _, _, _, programs = run_job(tp=4, dp=2, failed="1:2", steps=3)

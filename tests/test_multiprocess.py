@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import ROOT, tiny_config
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.launch import free_port
@@ -29,9 +30,7 @@ from ntp_jax.resilience.heartbeat import Heartbeat, StopAgreement
 from ntp_jax.train.config import RunConfig
 from ntp_jax.train.metrics import read_metrics
 from ntp_jax.train.trainer import train
-from tests.test_train import tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FakeDevice = collections.namedtuple("FakeDevice", "id process_index")
 PLAN = ["--config.mesh.dp=2", "--config.mesh.tp=4", "--config.ntp.failed=1:2"]
 STEPS = 4

@@ -8,9 +8,7 @@ import sys
 import numpy as np
 import optax
 import pytest
-from job_harness import assert_trees_close, run_job
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, assert_trees_close, run_job
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +77,7 @@ def test_mixed_degrees_match_single_device_in_subprocess(tp, dp, failed, degrees
   """
   code = (
       "import json, sys, optax; sys.path.insert(0, 'tests');"
-      "from job_harness import run_job;"
+      "from helpers import run_job;"
       "sgd = optax.sgd(0.5);"
       f"ref = run_job(tp=1, dp=1, steps=10, batch_size={2 * dp}, optimizer=sgd);"
       f"out = run_job(tp={tp}, dp={dp}, failed='{failed}', steps=10, batch_size={2 * dp},"

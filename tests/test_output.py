@@ -4,7 +4,7 @@ import glob
 import struct
 
 import numpy as np
-from test_train import tiny_config
+from helpers import tiny_config
 
 from ntp_jax.data import make_dataset
 from ntp_jax.parallel.job_step import JobStep

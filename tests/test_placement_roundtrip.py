@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from job_harness import SMALL
+from helpers import SMALL
 
 from models.gpt import GPT, model_layouts
 from ntp_jax.parallel.plan import make_plan

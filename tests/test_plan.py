@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from job_harness import SMALL
+from helpers import SMALL
 
 import configs.gpt_tiny
 from models.gpt import model_layouts

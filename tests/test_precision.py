@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from test_train import tiny_config
+from helpers import tiny_config
 
 from ntp_jax.train.trainer import train
 

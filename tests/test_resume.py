@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from test_train import ROOT, tiny_config
+from helpers import ROOT, tiny_config
 
 from ntp_jax.data.packed_dataset import PackedDataset
 from ntp_jax.train.metrics import read_metrics, read_records

@@ -6,27 +6,11 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import ROOT, tiny_config
 
 import configs.gpt_tiny
 from ntp_jax.train.metrics import read_metrics
 from ntp_jax.train.trainer import train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny_config(workdir, **overrides):
-  c = configs.gpt_tiny.get_config()
-  c.workdir = str(workdir)
-  c.train.steps = 10
-  c.train.log_every = 5
-  c.data.max_corpus_bytes = 300_000
-  c.checkpoint.every = 0  # these runs share a workdir: none may resume another's checkpoint
-  c.train.plot = False
-  c.train.eval_every = 0  # validation has its own tests (test_output.py); keep these runs lean
-  for key, value in overrides.items():
-    section, field = key.split(".")
-    c[section][field] = value
-  return c
 
 
 @pytest.fixture(scope="module")

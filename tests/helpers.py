@@ -1,18 +1,48 @@
-"""Run a small NTP job (any plan) on random tokens and read back every replica's state."""
+"""Helpers shared by the test modules: the repository root, a small ``gpt_tiny`` config for
+``train()``, and a small NTP job (any plan) on random tokens that reads back every replica's
+state.
+
+Test modules take shared helpers from here (and from layer_check, reference, tp_cases), never
+from another ``test_*.py`` module.
+"""
 
 import functools
+import os
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
+import configs.gpt_tiny
 from models.gpt import GPT, GPTConfig, model_layouts
 from ntp_jax.layers.shard import replica_view, to_logical
 from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.programs import build_class_programs
 from ntp_jax.train.config import parse_failed, parse_weights
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(workdir, **overrides):
+  """``configs/gpt_tiny.py`` cut to 10 steps on a 300 kB corpus, no checkpoints, plots or eval.
+
+  Overrides are ``{"section.field": value}``, e.g. ``{"mesh.tp": 1}``.
+  """
+  c = configs.gpt_tiny.get_config()
+  c.workdir = str(workdir)
+  c.train.steps = 10
+  c.train.log_every = 5
+  c.data.max_corpus_bytes = 300_000
+  c.checkpoint.every = 0  # these runs share a workdir: none may resume another's checkpoint
+  c.train.plot = False
+  c.train.eval_every = 0  # validation has its own tests (test_output.py); keep these runs lean
+  for key, value in overrides.items():
+    section, field = key.split(".")
+    c[section][field] = value
+  return c
+
 
 # Uneven everywhere: 8 KV heads (16 query heads), d_ff 20 in units of 4, vocabulary 37.
 SMALL = GPTConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=4,
