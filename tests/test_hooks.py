@@ -1,7 +1,7 @@
 """Step hooks added from Python: they see every step, in order, and can inject failures."""
 
 import numpy as np
-from test_train import tiny_config
+from helpers import tiny_config
 
 from ntp_jax.resilience.events import Event
 from ntp_jax.train.hooks import Hook, StepInfo
