@@ -24,6 +24,7 @@ if "--xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
@@ -31,6 +32,21 @@ if len(jax.devices()) < 8:
   raise RuntimeError(
       f"tests need 8 devices, found {len(jax.devices())}; "
       "XLA_FLAGS was set before conftest ran")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m / -k deselect: every collected test is seen
+def pytest_collection_modifyitems(config, items):
+  """Mark the full-suite-only tests (``tests/tiers.py``) ``slow``; a stale id is an error."""
+  from tiers import SLOW
+
+  ids = {item.nodeid for item in items}
+  for item in items:
+    if item.nodeid in SLOW:
+      item.add_marker(pytest.mark.slow)
+  files = {i.split("::")[0] for i in ids}  # a file collected whole can tell an id is gone
+  stale = sorted(i for i in SLOW - ids if i.split("::")[0] in files and "::" in i)
+  if stale and not any("::" in a for a in config.args):
+    raise pytest.UsageError(f"tests/tiers.py names tests that do not exist: {stale}")
 
 
 def pytest_unconfigure(config):

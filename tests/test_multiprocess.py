@@ -74,6 +74,8 @@ def single_process_losses(tmp_path_factory):
   return first.losses + resumed.losses
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_processes_of_four_devices_equal_one_process(tmp_path, single_process_losses):
   done = _launch(2, tmp_path, f"--config.train.steps={STEPS}", "--config.checkpoint.every=2")
   assert done.returncode == 0, done.stdout[-3000:]
@@ -90,6 +92,8 @@ def test_two_processes_of_four_devices_equal_one_process(tmp_path, single_proces
   np.testing.assert_allclose(_losses(tmp_path), single_process_losses, rtol=1e-6)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_four_processes_of_two_devices_equal_one_process(tmp_path, single_process_losses):
   """Each TP group spans two processes (one scale-up domain of two hosts)."""
   done = _launch(4, tmp_path, f"--config.train.steps={STEPS}", "--config.checkpoint.every=0",
@@ -98,6 +102,8 @@ def test_four_processes_of_two_devices_equal_one_process(tmp_path, single_proces
   np.testing.assert_allclose(_losses(tmp_path), single_process_losses[:STEPS], rtol=1e-6)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_checkpoints_refused_where_a_process_would_hold_no_piece(tmp_path):
   done = _launch(4, tmp_path, "--config.train.steps=1", "--config.checkpoint.every=1",
                  "--config.distributed.processes_per_domain=2", timeout=180)
@@ -128,6 +134,8 @@ def _stop(process):
     process.wait()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_lost_process_stops_the_survivor_and_a_smaller_restart_resumes(tmp_path):
   workdir = tmp_path / "run"
   workdir.mkdir()
@@ -174,6 +182,8 @@ def test_lost_process_stops_the_survivor_and_a_smaller_restart_resumes(tmp_path)
   np.testing.assert_allclose(after, expected, rtol=1e-6)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_uneven_collectives_across_processes_equal_numpy():
   """All-gather and reduce-scatter of uneven float64 blocks over gloo, 30 repetitions."""
   command = [sys.executable, "-m", "ntp_jax.launch", "--processes=2", "--devices-per-process=4",
@@ -207,6 +217,8 @@ def test_settings_from_config_and_launcher_variables():
     settings_from(config, environ={})
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
   """Preemption reaches one process: both stop at one agreed step and write its checkpoint."""
   extra = ["--config.train.steps=400", "--config.checkpoint.every=50"]
