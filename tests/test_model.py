@@ -7,7 +7,7 @@ import reference as ref
 from flax import nnx
 from helpers import run_job
 from layer_check import assert_padding_zero
-from tp_cases import TP_GROUPS, group_id
+from tp_cases import group_id, tp_groups
 
 from models.gpt import GPT, GPTConfig, count_params, model_layouts
 from ntp_jax.layers.shard import replica_view, to_logical
@@ -24,7 +24,7 @@ def _batch(cfg, rows, seq, seed=0):
   return jax.random.randint(jax.random.key(seed), (rows, seq + 1), 0, cfg.vocab_size)
 
 
-@pytest.mark.parametrize("group", TP_GROUPS, ids=group_id)
+@pytest.mark.parametrize("group", tp_groups())
 def test_gpt_loss_and_gradient_match_dense_reference(group):
   tp, failed = group
   layouts = model_layouts(CFG, tp, failed)

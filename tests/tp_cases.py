@@ -1,4 +1,10 @@
-"""TP groups used across tests: every degree 1..8, failures in the middle, at the ends, several."""
+"""TP groups used across tests: every degree 1..8, failures in the middle, at the ends, several.
+
+Parametrize with ``tp_groups()``: the groups in ``FAST_GROUPS`` run in the fast tier
+(``-m "not slow"``), the others in the full suite only.
+"""
+
+import pytest
 
 TP_GROUPS = [
     (1, ()),  # degree 1
@@ -18,3 +24,14 @@ TP_GROUPS = [
 def group_id(group):
   tp, failed = group
   return f"tp{tp}-failed{','.join(map(str, failed)) or 'none'}"
+
+
+# The fast tier's plans: uneven with a shared KV group (degree 3), the main case (degree 7 of 8,
+# a failure in the middle), half the group lost at one end (degree 4), and healthy (degree 8).
+FAST_GROUPS = {(3, ()), (8, (3,)), (8, (0, 1, 2, 3)), (8, ())}
+
+
+def tp_groups(extra=()):
+  """``TP_GROUPS`` (and ``extra``) as ``pytest.param``s; those outside ``FAST_GROUPS`` are slow."""
+  return [pytest.param(g, id=group_id(g), marks=() if g in FAST_GROUPS else pytest.mark.slow)
+          for g in [*TP_GROUPS, *extra]]
