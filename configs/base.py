@@ -44,6 +44,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.ntp.fail_at = ""  # failures while training: "STEP@REPLICA:SLOT", "20.mid@0:3" inside the step
   c.ntp.repair_at = ""  # repairs while training: "STEP@REPLICA:SLOT"
   c.ntp.recovery = "live"  # live (state from DP peers) or restart (last checkpoint)
+  # Compile the plans one more failure or repair can reach, in the background: next_failure,
+  # none, or auto (next_failure on GPU/TPU; none on CPU, where compiling takes the step's cores)
+  c.ntp.precompile = "auto"
+  c.ntp.precompile_max_programs = 256  # programs compiled ahead per plan change (0: no bound)
+  c.ntp.precompile_max_host_gb = 8.0  # stop compiling ahead past this host-memory growth (0: none)
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 200  # optimizer steps
@@ -78,6 +83,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed.process_id = -1  # this process's index (-1: from the launcher or the cluster)
   c.distributed.processes_per_domain = 1  # consecutive processes forming one scale-up domain
   c.distributed.heartbeat_timeout_s = 30.0  # a silent process is lost after this; others stop
+
+  c.compile = ml_collections.ConfigDict()
+  # JAX's persistent compilation cache (a restart loads its programs): a folder, "none", or ""
+  # (JAX_COMPILATION_CACHE_DIR when set, else WORKDIR/compile_cache)
+  c.compile.cache_dir = ""
 
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # text file / folder / glob, or uint16 .bin tokens; empty: Python stdlib source

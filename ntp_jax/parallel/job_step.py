@@ -20,8 +20,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.parallel.plan import Plan
-from ntp_jax.parallel.programs import ClassProgram, ProgramCache, class_batch, covering_classes
-from ntp_jax.parallel.sync import CrossClassSync, synced_loss
+from ntp_jax.parallel.programs import (
+  ClassProgram,
+  ProgramCache,
+  cached_sync,
+  class_batch,
+  covering_classes,
+)
+from ntp_jax.parallel.sync import synced_loss
 from ntp_jax.sharding.topology import holds_mine
 
 
@@ -51,11 +57,16 @@ class JobStep:
       raise ValueError(f"process {jax.process_index()} holds no live device of the plan "
                        f"(TP degrees {[r.degree for r in plan.replicas]})")
     self.sync = None
+    self.sync_key = None
     if len(programs) > 1:
       meshes, t_min = [p.mesh for p in programs], min(c.degree for c in plan.classes)
-      self.sync = (cache or ProgramCache()).get(
-          ("sync", tuple(meshes), t_min), "cross-class sync",
-          lambda: CrossClassSync(meshes, t_min))
+      self.sync_key, self.sync = cached_sync(cache or ProgramCache(), meshes, t_min)
+
+  @property
+  def keys(self) -> list:
+    """The ``ProgramCache`` keys of every program this step runs."""
+    return [p.key for p in self.programs if p.key is not None] + (
+        [self.sync_key] if self.sync_key is not None else [])
 
   @property
   def first_local(self) -> ClassProgram:

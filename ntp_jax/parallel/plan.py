@@ -214,3 +214,16 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
 def format_failed(failed: Collection[tuple[int, int]]) -> str:
   """``{(1, 2), (0, 3)}`` -> ``"0:3,1:2"`` (``ntp.failed`` syntax)."""
   return ",".join(f"{r}:{s}" for r, s in sorted(failed))
+
+
+def reachable_failed_sets(failed: Collection[tuple[int, int]], *, dp: int, tp: int
+                          ) -> list[frozenset[tuple[int, int]]]:
+  """The failed sets one more failure or one repair leads to from ``failed``.
+
+  One more failed device of any replica (``dp * tp - len(failed)`` sets, by
+  replica and slot), then each failed device repaired. Sets whose plan
+  cannot run (no live replica) are the planner's to refuse.
+  """
+  failed = frozenset(failed)
+  more = [failed | {(r, s)} for r in range(dp) for s in range(tp) if (r, s) not in failed]
+  return more + [failed - {pair} for pair in sorted(failed)]

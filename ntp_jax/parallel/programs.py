@@ -10,6 +10,8 @@ nothing. ``job_step.JobStep`` runs one step of every class.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -23,12 +25,19 @@ from jax.sharding import PartitionSpec as P
 from ntp_jax.layers.params import TPParam
 from ntp_jax.layers.shard import replica_specs, spec_shardings, stack_replicas, unstack_local
 from ntp_jax.parallel.plan import Plan, ReplicaClass
-from ntp_jax.parallel.steps import ClassStep, FusedStep, SplitStep, StepSettings, default_loss
-from ntp_jax.parallel.sync import regroup_plan
+from ntp_jax.parallel.steps import (
+  ClassStep,
+  FusedStep,
+  SplitStep,
+  StepSettings,
+  abstract_sync_blocks,
+  default_loss,
+)
+from ntp_jax.parallel.sync import CrossClassSync, regroup_plan
 from ntp_jax.parallel.sync_leaf import sync_leaves
 from ntp_jax.sharding.mesh import DP, TP, class_mesh
 from ntp_jax.sharding.topology import holds_mine, processes_of
-from ntp_jax.state.placement import LogicalSource, place_logical, read_logical
+from ntp_jax.state.placement import LogicalSource, lower_placement, place_logical, read_logical
 from ntp_jax.state.sources import InitSource
 from ntp_jax.state.spanning import SpanningSource, read_logical_spanning
 
@@ -53,6 +62,7 @@ class ClassProgram:
   params: nnx.State  # replica-stacked
   opt_state: Any
   step: ClassStep | None = None
+  key: Hashable | None = None  # the step's ``ProgramCache`` key
 
   @property
   def replicas(self) -> int:
@@ -114,19 +124,33 @@ class ProgramCache:
   A plan met again (a repaired replica back at its old layout, a second
   failure that gives a layout seen before) reuses the steps, whose
   executables JAX keeps: it compiles nothing. ``events`` records each lookup
-  as ``(description, hit)``.
+  as ``(description, hit)``; ``compiled`` holds the keys whose programs
+  have been compiled (by a first call, or ahead of time), so a hit on an
+  entry made ahead but not yet compiled is told apart. Safe to use from a
+  background compiling thread and the training loop at once.
   """
 
   def __init__(self):
     self._entries: dict[Any, Any] = {}
+    self._lock = threading.Lock()
     self.events: list[tuple[str, bool]] = []
+    self.compiled: set[Hashable] = set()
 
-  def get(self, key: Hashable, what: str, make: Callable[[], Any]) -> Any:
-    hit = key in self._entries
-    if not hit:
-      self._entries[key] = make()
-    self.events.append((what, hit))
-    return self._entries[key]
+  def get(self, key: Hashable, what: str, make: Callable[[], Any], *,
+          record: bool = True) -> Any:
+    """The entry of ``key``, made by ``make()`` on a miss; ``record=False`` leaves
+    ``events`` alone (a lookup made ahead of time)."""
+    with self._lock:
+      hit = key in self._entries
+      if not hit:
+        self._entries[key] = make()
+      if record:
+        self.events.append((what, hit))
+      return self._entries[key]
+
+  def mark_compiled(self, keys) -> None:
+    with self._lock:
+      self.compiled.update(keys)
 
   @property
   def hits(self) -> int:
@@ -135,6 +159,55 @@ class ProgramCache:
   @property
   def misses(self) -> int:
     return sum(not hit for _, hit in self.events)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanShapes:
+  """A plan's class meshes and abstract state: what its programs are made from.
+
+  Attributes:
+    plan: the plan. meshes: each class's ``('dp', 'tp')`` mesh.
+    targets: each class's ``(graphdef, {"params", "opt_state"})``, abstract
+      (``abstract_class_state``).
+    t_min: the smallest TP degree. regroups: the sync positions of each
+      split parameter with several classes (``sync.regroup_plan``), else None.
+  """
+
+  plan: Plan
+  meshes: list[Mesh]
+  targets: list[tuple[nnx.GraphDef, dict[str, Any]]]
+  t_min: int
+  regroups: dict | None
+
+
+def plan_shapes(plan: Plan, make_model: Callable[[Any], nnx.Module],
+                optimizer: optax.GradientTransformation, devices: Sequence[jax.Device],
+                cache: ProgramCache | None = None, settings: StepSettings | None = None
+                ) -> PlanShapes:
+  """Meshes and abstract state of every class of ``plan`` (nothing allocated).
+
+  With a ``cache`` (and the step ``settings``, which name the optimizer), a
+  class's abstract state is worked out once: a plan compiled ahead costs no
+  shape inference when it is met.
+  """
+  meshes = [class_mesh(c.replicas, c.live_slots, plan.tp, devices) for c in plan.classes]
+
+  def target(c):
+    make = functools.partial(abstract_class_state, lambda: make_model(c.layouts),
+                             len(c.replicas), optimizer)
+    if cache is None or settings is None:
+      return make()
+    return cache.get(("state shapes", c.layouts, len(c.replicas), settings.key), "", make,
+                     record=False)
+
+  targets = [target(c) for c in plan.classes]
+  t_min = min(c.degree for c in plan.classes)
+  regroups = None
+  if len(plan.classes) > 1:  # where each element is synced: chosen once, for every class
+    regroups = regroup_plan([(sync_leaves(jax.eval_shape(unstack_local, t["params"]), c.degree,
+                                          t_min), len(c.replicas))
+                             for c, (_, t) in zip(plan.classes, targets)], t_min)
+  return PlanShapes(plan, meshes, targets, t_min, regroups)
 
 
 def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
@@ -166,19 +239,11 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
   cache = cache or ProgramCache()
   if source is None:
     source = InitSource(lambda: make_model(plan.logical_layouts))
-  meshes = [class_mesh(c.replicas, c.live_slots, plan.tp, devices) for c in plan.classes]
-  targets = [abstract_class_state(lambda c=c: make_model(c.layouts), len(c.replicas), optimizer)
-             for c in plan.classes]
-  t_min = min(c.degree for c in plan.classes)
+  shapes = plan_shapes(plan, make_model, optimizer, devices, cache, settings)
   if jax.process_count() > 1:  # one collective read for every class (see ntp_jax.state.spanning)
-    source = SpanningSource(source, targets[0][1], meshes, t_min)
-  regroups = None
-  if len(plan.classes) > 1:  # where each element is synced: chosen once, for every class
-    regroups = regroup_plan([(sync_leaves(jax.eval_shape(unstack_local, t["params"]), c.degree,
-                                          t_min), len(c.replicas))
-                             for c, (_, t) in zip(plan.classes, targets)], t_min)
+    source = SpanningSource(source, shapes.targets[0][1], shapes.meshes, shapes.t_min)
   programs = []
-  for replica_class, mesh, (graphdef, target) in zip(plan.classes, meshes, targets):
+  for replica_class, mesh, (graphdef, target) in zip(plan.classes, shapes.meshes, shapes.targets):
     if not holds_mine(mesh):  # another process's class: its state stays abstract here
       programs.append(ClassProgram(replica_class, mesh, graphdef, target["params"],
                                    target["opt_state"]))
@@ -192,16 +257,73 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
     else:
       raise ValueError(f"optimizer state: the source holds {len(opt_paths)} of "
                        f"{len(jax.tree.leaves(target['opt_state']))} leaves")
-    step = cached_step(cache, replica_class, graphdef, state["params"], opt_state, mesh,
-                       settings, classes=len(plan.classes), t_min=t_min, regroups=regroups)
-    programs.append(ClassProgram(replica_class, mesh, graphdef, state["params"], opt_state, step))
+    key, step = cached_step(cache, replica_class, graphdef, state["params"], opt_state, mesh,
+                            settings, classes=len(plan.classes), t_min=shapes.t_min,
+                            regroups=shapes.regroups)
+    programs.append(ClassProgram(replica_class, mesh, graphdef, state["params"], opt_state, step,
+                                 key))
   return programs
+
+
+def sharded_abstract(target: Any, mesh: Mesh) -> Any:
+  """``target`` (abstract class state) as ``ShapeDtypeStruct``s carrying the class shardings
+  (``class_shardings``): what the placed state will look like to ``jax.jit``."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      target, class_shardings(target, mesh))
+
+
+def lower_plan(plan: Plan, make_model: Callable[[Any], nnx.Module],
+               optimizer: optax.GradientTransformation, clip_norm: float, seq_len: int,
+               devices: Sequence[jax.Device], *, cache: ProgramCache,
+               source: LogicalSource | None = None, loss: Callable[..., Any] = default_loss,
+               optimizer_key: Hashable | None = None
+               ) -> list[tuple[str, Hashable, jax.stages.Lowered]]:
+  """Every program a move onto ``plan`` and its first step run, lowered ahead of time.
+
+  The steps (and the cross-class sync) are made through ``cache`` under the
+  keys ``build_class_programs`` and ``job_step.JobStep`` look up, so once
+  these are compiled, building ``plan`` with ``global_tokens =
+  plan.global_batch * seq_len`` and running its first step compile nothing.
+  With a ``source``, the programs that ``place_logical`` runs to fill the
+  classes from it are included (``placement.lower_placement``; left out when
+  the source cannot tell them). Only classes with a device in this process.
+
+  Returns:
+    ``(what, cache key or None, lowered)`` per program, in the order a
+    recovery needs them: state moves first, then each class's step, then the sync.
+  """
+  settings = StepSettings(optimizer, clip_norm, plan.global_batch * seq_len, loss, optimizer_key)
+  shapes = plan_shapes(plan, make_model, optimizer, devices, cache, settings)
+  moves, steps, blocks = [], [], []
+  for replica_class, mesh, (graphdef, target) in zip(plan.classes, shapes.meshes, shapes.targets):
+    if not holds_mine(mesh):
+      continue
+    name = f"TP degree {replica_class.degree}, replicas {list(replica_class.replicas)}"
+    if source is not None:
+      moves += [(f"state move ({name})", None, lowered)
+                for lowered in lower_placement(target, mesh, source) or []]
+    state = sharded_abstract(target, mesh)
+    key, step = cached_step(cache, replica_class, graphdef, state["params"], state["opt_state"],
+                            mesh, settings, classes=len(plan.classes), t_min=shapes.t_min,
+                            regroups=shapes.regroups, record=False)
+    batch = jax.ShapeDtypeStruct((replica_class.batch_rows, seq_len + 1), np.int32,
+                                 sharding=NamedSharding(mesh, P(DP)))
+    steps += [(f"class program ({name})", key, lowered)
+              for lowered in step.lower(state["params"], state["opt_state"], batch)]
+    if isinstance(step, SplitStep):
+      blocks.append(abstract_sync_blocks(step.grad, state["params"], batch, mesh))
+  if len(plan.classes) > 1 and blocks:
+    key, sync = cached_sync(cache, shapes.meshes, shapes.t_min, record=False)
+    steps.append(("cross-class sync", key, sync.lower(blocks)))
+  return moves + steps
 
 
 def cached_step(cache: ProgramCache, replica_class: ReplicaClass, graphdef: nnx.GraphDef,
                 params: Any, opt_state: Any, mesh: Mesh, settings: StepSettings, *,
-                classes: int, t_min: int, regroups: dict | None) -> ClassStep:
-  """The class's step from ``cache``, made on a miss: fused with one class, split with several.
+                classes: int, t_min: int, regroups: dict | None, record: bool = True
+                ) -> tuple[Hashable, ClassStep]:
+  """``(key, step)``: the class's step from ``cache``, made on a miss: fused with one
+  class, split with several.
 
   Keyed by the mesh (devices), the class's layouts, ``t_min``, the step
   settings' ``key`` and (split) the regroups: everything the compiled
@@ -212,11 +334,20 @@ def cached_step(cache: ProgramCache, replica_class: ReplicaClass, graphdef: nnx.
   what = (f"class program (TP degree {replica_class.degree}, "
           f"replicas {list(replica_class.replicas)})")
   if fused:
-    return cache.get(key, what, lambda: FusedStep.build(graphdef, params, opt_state, mesh,
-                                                        settings))
+    return key, cache.get(key, what, lambda: FusedStep.build(graphdef, params, opt_state, mesh,
+                                                             settings), record=record)
   key += (tuple(sorted(regroups.items())),)
-  return cache.get(key, what, lambda: SplitStep.build(graphdef, params, opt_state, mesh,
-                                                      settings, t_min, regroups))
+  return key, cache.get(key, what, lambda: SplitStep.build(graphdef, params, opt_state, mesh,
+                                                           settings, t_min, regroups),
+                        record=record)
+
+
+def cached_sync(cache: ProgramCache, meshes: Sequence[Mesh], t_min: int, *,
+                record: bool = True) -> tuple[Hashable, CrossClassSync]:
+  """``(key, sync)``: the cross-class sync over ``meshes`` from ``cache``."""
+  key = ("sync", tuple(meshes), t_min)
+  return key, cache.get(key, "cross-class sync", lambda: CrossClassSync(list(meshes), t_min),
+                        record=record)
 
 
 def logical_state(programs: list[ClassProgram]) -> dict:

@@ -159,6 +159,14 @@ class CrossClassSync:
         lambda x: jax.lax.psum(x, REPLICA), mesh=self.mesh,
         in_specs=P(REPLICA, PEER), out_specs=P(REPLICA, PEER)))
 
+  def lower(self, class_blocks: list[dict[str, jax.ShapeDtypeStruct]]) -> jax.stages.Lowered:
+    """The all-reduce program, lowered for the classes' abstract sync buffers
+    (``steps.abstract_sync_blocks``): compiling it ahead makes the first call compile nothing."""
+    return self._all_reduce.lower({
+        name: jax.ShapeDtypeStruct((self.mesh.devices.shape[0], self.t_min, array.shape[2]),
+                                   array.dtype, sharding=self.sharding)
+        for name, array in class_blocks[0].items()})
+
   def __call__(self, class_buffers: list[dict | None]) -> list[dict | None]:
     """Sum each buffer over all live replicas.
 

@@ -239,3 +239,21 @@ class CheckpointSource(BaseSource):
   def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
     self.check(requests)
     return self.checkpoints.restore(self.step, requests)
+
+  def lower_reads(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                  ) -> tuple[list[jax.stages.Lowered], set[Path]]:
+    """orbax restores each request straight into its sharding: no program of ours runs."""
+    return [], set()
+
+
+class CheckpointShapes(BaseSource):
+  """Any checkpoint of this run, for lowering a restore ahead of time
+  (``placement.lower_placement``): every path, the default even split, and reads that run
+  no program of ours (as ``CheckpointSource``'s). Reading it is an error."""
+
+  def lower_reads(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                  ) -> tuple[list[jax.stages.Lowered], set[Path]]:
+    return [], set()
+
+  def describe(self) -> str:
+    return "a checkpoint of this run (shapes only)"

@@ -34,6 +34,7 @@ from ntp_jax.state.placement import (
   copy_of_replica,
   even_pieces_of,
   leaves_of,
+  lower_even_pieces,
   per_device,
 )
 
@@ -98,10 +99,9 @@ class PeerSource(BaseSource):
         self._moved[key] = (leaves, nodes, {})
     return self._moved[key]
 
-  def in_place(self, leaves: list[Leaf], mesh) -> dict[Path, jax.Array] | None:
-    """A target class whose every replica is an old replica, on the same devices and
-    with the same layouts, all alive: its state stays where it is (no copy, no
-    program). Returns ``path -> array`` in the class sharding, or None."""
+  def _rows_in_place(self, leaves: list[Leaf], mesh) -> list | None:
+    """Per target row, the ``(old program, row)`` holding it as it is, or None when
+    some target replica is not an old live replica with the same layouts."""
     rows = []
     for target_row in mesh.devices:
       if any(d in self.dead for d in target_row):
@@ -118,6 +118,18 @@ class PeerSource(BaseSource):
         if old is None or (old.layout, old.axis, old.shape, old.dtype, old.stacked) != (
             leaf.layout, leaf.axis, leaf.shape, leaf.dtype, leaf.stacked):
           return None
+    return rows
+
+  def keeps_in_place(self, leaves: list[Leaf], mesh) -> bool:
+    return self._rows_in_place(leaves, mesh) is not None
+
+  def in_place(self, leaves: list[Leaf], mesh) -> dict[Path, jax.Array] | None:
+    """A target class whose every replica is an old replica, on the same devices and
+    with the same layouts, all alive: its state stays where it is (no copy, no
+    program). Returns ``path -> array`` in the class sharding, or None."""
+    rows = self._rows_in_place(leaves, mesh)
+    if rows is None:
+      return None
     replicas, degree = mesh.devices.shape
     out = {}
     for leaf in leaves:
@@ -164,24 +176,76 @@ class PeerSource(BaseSource):
     """Split leaves as ``[1, 1, *piece]`` buffers on each requested device."""
     return self._gather(requests, as_blocks=True)
 
+  def read_copies(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                  ) -> dict[Path, dict[jax.Device, jax.Array]]:
+    """Unsplit leaves: a live replica's own buffer (``[1, *shape]`` when replica-stacked,
+    the whole array when bare) on each requested device. Nothing is computed: a buffer
+    already on the device is handed over as it is (the old state is not used again)."""
+    supplies, _ = self._choose(requests)
+    out = {}
+    for path, request in requests.items():
+      node = self._nodes(self.programs[supplies[path].holder])[path]
+      value = node.get_value() if isinstance(node, nnx.Variable) else node
+      by_device = per_device(value)
+      pieces = {}
+      for device in request.sharding.mesh.devices.flat:
+        source_device, _ = self.choice.whole_source(supplies[path], device)
+        piece = by_device[source_device]
+        if source_device != device:
+          self.copied_bytes += piece.nbytes
+        pieces[device] = jax.device_put(piece, device)
+      out[path] = pieces
+    return out
+
   def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
     return self._gather(requests, as_blocks=False)
 
-  def _gather(self, requests, as_blocks: bool):
+  def lower_reads(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                  ) -> tuple[list[jax.stages.Lowered], set[Path]] | None:
+    """The programs that move the old classes' split leaves to the even layouts the
+    requests want, lowered; every request is served by ``read_blocks`` or ``read_copies``.
+    None when some piece has no live copy (the recovery will take the restart path)."""
+    try:
+      supplies, ks = self._choose(requests)
+    except LookupError:
+      return None
+    lowered = []
+    for index, wanted in self._wanted_by_holder(supplies, ks).items():
+      if wanted:
+        program = self.programs[index]
+        state = {"params": program.params, "opt_state": program.opt_state}
+        lowered.append(lower_even_pieces(state, program.mesh, wanted))
+    return lowered, set(requests)
+
+  def _choose(self, requests: dict[Path, jax.ShapeDtypeStruct]
+              ) -> tuple[dict[Path, Supply], dict[Path, int]]:
+    """Per path, the supplying replicas and ``k``, the even pieces requested (the target
+    mesh's columns; 1 when unsplit). Raises LookupError naming a path without a live copy."""
     supplies: dict[Path, Supply] = {}
-    ks: dict[Path, int] = {}  # even pieces requested (the target mesh's columns)
+    ks: dict[Path, int] = {}
     for path, request in requests.items():
       ks[path] = request.sharding.mesh.devices.shape[1] if request.sharding.spec else 1
       supply = self.choice.choose(path, ks[path])
       if supply is None:
         raise LookupError(f"{'/'.join(path)}: no live replica holds every piece")
       supplies[path] = supply
-    moved_by_holder = {}
+    return supplies, ks
+
+  def _wanted_by_holder(self, supplies: dict[Path, Supply], ks: dict[Path, int]
+                        ) -> dict[int, dict[Path, int]]:
+    """Per supplying old class, its split leaves to move and their ``k``."""
+    out = {}
     for index in dict.fromkeys(s.holder for s in supplies.values()):
       program = self.programs[index]
-      wanted = {p: ks[p] for p, s in supplies.items()
-                if s.holder == index and self._leaves_by_path(program)[p].layout is not None}
-      leaves, nodes, moved = self._pieces_of(program, wanted)
+      out[index] = {p: ks[p] for p, s in supplies.items()
+                    if s.holder == index and self._leaves_by_path(program)[p].layout is not None}
+    return out
+
+  def _gather(self, requests, as_blocks: bool):
+    supplies, ks = self._choose(requests)
+    moved_by_holder = {}
+    for index, wanted in self._wanted_by_holder(supplies, ks).items():
+      leaves, nodes, moved = self._pieces_of(self.programs[index], wanted)
       moved_by_holder[index] = ({leaf.path: (leaf, node) for leaf, node in zip(leaves, nodes)},
                                 moved)
     out = {}

@@ -192,10 +192,25 @@ class LogicalSource(Protocol):
     """Every leaf of ``leaves`` already in the class sharding on ``mesh``, as it is
     (nothing moves); None when the source cannot hand them over so."""
 
+  def keeps_in_place(self, leaves: list[Leaf], mesh: Mesh) -> bool:
+    """Whether ``in_place`` would hand the leaves over (decided from metadata only)."""
+
   def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
     """Split leaves as ``[1, 1, *piece]`` buffers on each requested device, for the paths
     the source holds so (a subset of ``requests``); ``read`` is asked for the rest."""
+
+  def read_copies(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                  ) -> dict[Path, dict[jax.Device, jax.Array]]:
+    """Unsplit leaves as the class state holds them on each requested device (replica-stacked:
+    ``[1, *shape]``; bare: the whole array), for the paths the source holds so; ``read`` is
+    asked for the rest."""
+
+  def lower_reads(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                  ) -> tuple[list[jax.stages.Lowered], set[Path]] | None:
+    """Ahead of time: the programs ``read_blocks``, ``read_copies`` and ``read`` would run for
+    ``requests``, lowered, and the paths the first two would serve; None when the source
+    cannot tell (then ``lower_placement`` gives up)."""
 
   def describe(self) -> str:
     """One line for logs naming the source."""
@@ -203,7 +218,7 @@ class LogicalSource(Protocol):
 
 class BaseSource:
   """Defaults of ``LogicalSource``: every path, the default even split, nothing in place,
-  no ready blocks, the class name. Subclasses define ``read``.
+  no ready blocks or copies, nothing known ahead, the class name. Subclasses define ``read``.
   """
 
   def paths(self) -> set[Path] | None:
@@ -218,9 +233,20 @@ class BaseSource:
   def in_place(self, leaves: list[Leaf], mesh: Mesh) -> dict[Path, jax.Array] | None:
     return None
 
+  def keeps_in_place(self, leaves: list[Leaf], mesh: Mesh) -> bool:
+    return False
+
   def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
     return {}
+
+  def read_copies(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                  ) -> dict[Path, dict[jax.Device, jax.Array]]:
+    return {}
+
+  def lower_reads(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                  ) -> tuple[list[jax.stages.Lowered], set[Path]] | None:
+    return None
 
   def describe(self) -> str:
     return type(self).__name__
@@ -230,7 +256,7 @@ def per_device(array: jax.Array) -> dict[jax.Device, jax.Array]:
   return {s.device: s.data for s in array.addressable_shards}
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)  # programs compiled ahead (train.precompile) must stay
 def _transfer_program(split: tuple[Leaf, ...], mesh: Mesh, to_blocks: bool) -> Callable[..., Any]:
   """Jitted ``shard_map`` moving split leaves between the even layout and their layouts.
 
@@ -283,6 +309,15 @@ def block_shape(leaf: Leaf, length: int | None = None) -> tuple[int, ...]:
   return tuple(shape)
 
 
+def _even_split(state: Any, pieces: dict[Path, int] | None
+                ) -> tuple[list[Leaf], list[Any], list[tuple[Leaf, Any]]]:
+  leaves, _, nodes = leaves_of(state)
+  pieces = pieces or {}
+  leaves = [dataclasses.replace(leaf, k=pieces.get(leaf.path)) for leaf in leaves]
+  split = [(leaf, node) for leaf, node in zip(leaves, nodes) if leaf.layout is not None]
+  return leaves, nodes, split
+
+
 def even_pieces_of(state: Any, mesh: Mesh, pieces: dict[Path, int] | None = None
                    ) -> tuple[list[Leaf], list[Any], dict[Path, jax.Array]]:
   """Every replica's split leaves moved to their even layouts, on the class's devices.
@@ -297,13 +332,23 @@ def even_pieces_of(state: Any, mesh: Mesh, pieces: dict[Path, int] | None = None
     (``P('dp', 'tp')``) whose ``(r, j)`` block is replica ``r``'s piece ``j``
     (``j < k``; zeros beyond).
   """
-  leaves, _, nodes = leaves_of(state)
-  pieces = pieces or {}
-  leaves = [dataclasses.replace(leaf, k=pieces.get(leaf.path)) for leaf in leaves]
-  split = [(leaf, node) for leaf, node in zip(leaves, nodes) if leaf.layout is not None]
+  leaves, nodes, split = _even_split(state, pieces)
   moved = _transfer_program(tuple(leaf for leaf, _ in split), mesh, to_blocks=False)(
       *(node.get_value() for _, node in split)) if split else ()
   return leaves, nodes, {leaf.path: array for (leaf, _), array in zip(split, moved)}
+
+
+def lower_even_pieces(state: Any, mesh: Mesh, pieces: dict[Path, int] | None = None
+                      ) -> jax.stages.Lowered | None:
+  """The program ``even_pieces_of(state, mesh, pieces)`` runs, lowered for ``state``'s
+  shapes and shardings (None when nothing is split); compiling it ahead makes that call
+  compile nothing."""
+  _, _, split = _even_split(state, pieces)
+  if not split:
+    return None
+  values = [node.get_value() for _, node in split]
+  return _transfer_program(tuple(leaf for leaf, _ in split), mesh, to_blocks=False).lower(
+      *(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for v in values))
 
 
 def read_logical(state: Any, mesh: Mesh, replica: int = 0) -> dict[Path, jax.Array]:
@@ -358,6 +403,16 @@ def per_device_map(fn: Callable[[jax.Array], jax.Array], arrays: dict[Any, jax.A
   return out
 
 
+def lower_per_device_map(fn: Callable[[jax.Array], jax.Array],
+                         arrays: dict[Any, jax.ShapeDtypeStruct]) -> list[jax.stages.Lowered]:
+  """The programs ``per_device_map(fn, arrays)`` runs, lowered for abstract single-device
+  arrays (``SingleDeviceSharding``), grouped as it groups them."""
+  by_device: dict[jax.Device, list[Any]] = {}
+  for key, array in arrays.items():
+    by_device.setdefault(next(iter(array.sharding.device_set)), []).append(key)
+  return [_mapped(fn).lower([arrays[k] for k in keys]) for keys in by_device.values()]
+
+
 @functools.lru_cache(maxsize=8)
 def _mapped(fn):
   return jax.jit(lambda xs: [fn(x) for x in xs])
@@ -381,6 +436,18 @@ def copy_of_replica(node: Any, leaf: Leaf, device: jax.Device, replica: int) -> 
   return shard.data[replica - (shard.index[0].start or 0)] if leaf.stacked else shard.data + 0
 
 
+def _wanted(target: Any, source: LogicalSource) -> tuple[list[Leaf], Any, list[Any], list[Leaf]]:
+  """``(leaves, treedef, nodes, wanted)``: every leaf of ``target`` with the source's even
+  split, and those the source fills."""
+  leaves, treedef, nodes = leaves_of(target)
+  available = source.paths()
+  # The source may pick each leaf's even split (None: the default).
+  leaves = [dataclasses.replace(leaf, k=source.pieces(leaf)) if leaf.layout is not None else leaf
+            for leaf in leaves]
+  wanted = [leaf for leaf in leaves if available is None or leaf.path in available]
+  return leaves, treedef, nodes, wanted
+
+
 def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, set[Path]]:
   """Fill a class's state from a source of logical arrays.
 
@@ -398,23 +465,23 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
 
   Each replica's devices read the even pieces they hold (split leaves:
   slots ``0..k-1``; others: every device), then one program per class moves
-  the pieces into the padded blocks.
+  the pieces into the padded blocks. ``lower_placement`` lowers the same
+  programs ahead of time.
   """
-  leaves, treedef, nodes = leaves_of(target)
-  available = source.paths()
-  # The source may pick each leaf's even split (None: the default).
-  leaves = [dataclasses.replace(leaf, k=source.pieces(leaf)) if leaf.layout is not None else leaf
-            for leaf in leaves]
-  wanted = [leaf for leaf in leaves if available is None or leaf.path in available]
+  leaves, treedef, nodes, wanted = _wanted(target, source)
   kept = source.in_place(wanted, mesh)  # state already on these devices, as wanted
   if kept is not None:
     return _rebuild(leaves, treedef, nodes, kept), set(kept)
   requests = {leaf.path: leaf.abstract(leaf.even_sharding(mesh)) for leaf in wanted}
   # A source that holds the pieces on devices already may hand them over as they are
-  # ([1, 1, *piece] per device, split leaves only): no reshaping on every device.
+  # ([1, 1, *piece] per device, split leaves; the class's own copies of unsplit leaves):
+  # no program runs on them then.
   split = [leaf for leaf in wanted if leaf.layout is not None]
+  unsplit = [leaf for leaf in wanted if leaf.layout is None]
   blocks = source.read_blocks({leaf.path: requests[leaf.path] for leaf in split}) if split else {}
-  rest = {p: r for p, r in requests.items() if p not in blocks}
+  copies = (source.read_copies({leaf.path: requests[leaf.path] for leaf in unsplit})
+            if unsplit else {})
+  rest = {p: r for p, r in requests.items() if p not in blocks and p not in copies}
   arrays = source.read(rest) if rest else {}
   replicas = mesh.devices.shape[0]
   placed: dict[Path, jax.Array] = {}
@@ -442,16 +509,63 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
           (replicas, mesh.devices.shape[1]) + block[2:], NamedSharding(mesh, P(DP, TP)), pieces))
     for leaf, array in zip(split, _transfer_program(tuple(split), mesh, to_blocks=True)(*inputs)):
       placed[leaf.path] = array
-  stacked = [leaf for leaf in wanted if leaf.layout is None and leaf.stacked]
+  for leaf in unsplit:
+    if leaf.path in copies:
+      shape, spec = ((replicas,) + leaf.shape, P(DP)) if leaf.stacked else (leaf.shape, P())
+      placed[leaf.path] = jax.make_array_from_single_device_arrays(
+          shape, NamedSharding(mesh, spec),
+          [copies[leaf.path][d] for d in mesh.devices.flat if is_mine(d)])
+  stacked = [leaf for leaf in unsplit if leaf.stacked and leaf.path not in copies]
   if stacked:
-    placed.update(zip([leaf.path for leaf in stacked], _stack(
-        [arrays[leaf.path] for leaf in stacked], [leaf.dtype for leaf in stacked], mesh)))
-  for leaf in wanted:
-    if leaf.layout is None and not leaf.stacked:
+    placed.update(zip([leaf.path for leaf in stacked], _stack_program(
+        tuple(leaf.dtype for leaf in stacked), mesh)([arrays[leaf.path] for leaf in stacked])))
+  for leaf in unsplit:
+    if not leaf.stacked and leaf.path not in copies:
       placed[leaf.path] = jax.device_put(arrays[leaf.path].astype(leaf.dtype),
                                          NamedSharding(mesh, P()))
 
   return _rebuild(leaves, treedef, nodes, placed), set(placed)
+
+
+def lower_placement(target: Any, mesh: Mesh, source: LogicalSource
+                    ) -> list[jax.stages.Lowered] | None:
+  """The programs ``place_logical(target, mesh, source)`` would run, lowered ahead of time.
+
+  Compiling them (``Lowered.compile``) before the call makes the call
+  compile nothing: the same cached programs with the same shapes and
+  shardings. Reads nothing from the source.
+
+  Returns:
+    The lowered programs (empty: the state stays in place, nothing runs), or
+    None when the source cannot tell what its reads run
+    (``LogicalSource.lower_reads``).
+  """
+  _, _, _, wanted = _wanted(target, source)
+  if source.keeps_in_place(wanted, mesh):
+    return []
+  requests = {leaf.path: leaf.abstract(leaf.even_sharding(mesh)) for leaf in wanted}
+  ahead = source.lower_reads(requests)
+  if ahead is None:
+    return None
+  lowered, served = ahead
+  lowered = list(lowered)
+  split = [leaf for leaf in wanted if leaf.layout is not None]
+  if split:
+    lifted = {(leaf.path, d): jax.ShapeDtypeStruct(leaf.piece_shape, leaf.dtype,
+                                                   sharding=jax.sharding.SingleDeviceSharding(d))
+              for leaf in split if leaf.path not in served
+              for d in requests[leaf.path].sharding.device_set}
+    lowered += lower_per_device_map(add_lead, lifted)
+    blocks = NamedSharding(mesh, P(DP, TP))
+    lowered.append(_transfer_program(tuple(split), mesh, to_blocks=True).lower(*(
+        jax.ShapeDtypeStruct(mesh.devices.shape + leaf.piece_shape, leaf.dtype, sharding=blocks)
+        for leaf in split)))
+  stacked = [leaf for leaf in wanted
+             if leaf.layout is None and leaf.stacked and leaf.path not in served]
+  if stacked:
+    lowered.append(_stack_program(tuple(leaf.dtype for leaf in stacked), mesh).lower(
+        [requests[leaf.path] for leaf in stacked]))
+  return lowered
 
 
 def _rebuild(leaves: list[Leaf], treedef: Any, nodes: list[Any], placed: dict[Path, jax.Array]):
@@ -467,14 +581,16 @@ def _rebuild(leaves: list[Leaf], treedef: Any, nodes: list[Any], placed: dict[Pa
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _stack(values: list[jax.Array], dtypes: list[np.dtype], mesh: Mesh) -> list[jax.Array]:
-  """Replicated logical arrays -> ``[replicas, ...]`` copies (``P('dp')``), in one program."""
+@functools.lru_cache(maxsize=256)
+def _stack_program(dtypes: tuple[np.dtype, ...], mesh: Mesh) -> Callable[..., Any]:
+  """Jitted: replicated logical arrays -> ``[replicas, ...]`` copies (``P('dp')``), in one
+  program. Cached, so a plan met again (or compiled ahead) compiles nothing."""
   replicas = mesh.devices.shape[0]
 
   def stack(xs):
     return [jnp.broadcast_to(x.astype(d)[None], (replicas,) + x.shape) for x, d in zip(xs, dtypes)]
 
-  return jax.jit(stack, out_shardings=[NamedSharding(mesh, P(DP))] * len(values))(values)
+  return jax.jit(stack, out_shardings=[NamedSharding(mesh, P(DP))] * len(dtypes))
 
 
 def nest(flat: dict[Path, Any]) -> dict:

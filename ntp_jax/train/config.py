@@ -30,6 +30,7 @@ from ntp_jax.errors import ConfigError
 from ntp_jax.parallel.plan import REBALANCE
 from ntp_jax.resilience.events import Event, check_events, parse_events
 
+PRECOMPILE = ("auto", "next_failure", "none")  # ``ntp.precompile`` (ntp_jax.train.precompile)
 RECOVERY = ("live", "restart")  # where a failure's new plan takes its state (``ntp.recovery``)
 FailedSlots = frozenset[tuple[int, int]]
 
@@ -59,6 +60,9 @@ class NTPConfig:
   rebalance: str  # one of REBALANCE
   events: tuple[Event, ...]  # ntp.fail_at and ntp.repair_at, sorted
   recovery: str  # one of RECOVERY
+  precompile: str  # one of PRECOMPILE: compile the plans one failure or repair away, ahead
+  precompile_max_programs: int  # programs compiled ahead per plan change (0: no bound)
+  precompile_max_host_gb: float  # stop compiling ahead past this host-memory growth (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +108,13 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompileConfig:
+  # JAX's persistent compilation cache: a folder; "" the default (JAX's own setting when the
+  # environment gives one, else WORKDIR/compile_cache); "none" off (train.compilation)
+  cache_dir: str
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
   path: str  # "" : the Python standard library's source
   max_corpus_bytes: int
@@ -128,6 +139,7 @@ class RunConfig:
   checkpoint: CheckpointConfig
   distributed: DistributedConfig
   data: DataConfig
+  compile: CompileConfig
   source: Any = dataclasses.field(repr=False, compare=False, default=None)
 
   @classmethod
@@ -171,9 +183,10 @@ class RunConfig:
       raise ConfigError(f"data.val_fraction: must be below 1, got {data.val_fraction}")
     model = ModelSection(factory=reader.str("model.factory"),
                          init_from=reader.str("model.init_from"))
+    compile_config = CompileConfig(cache_dir=reader.str("compile.cache_dir"))
     return cls(workdir=workdir, dry_run=reader.bool("dry_run"), model=model, mesh=mesh,
                ntp=ntp, train=train, checkpoint=checkpoint, distributed=distributed,
-               data=data, source=config)
+               data=data, compile=compile_config, source=config)
 
   def to_json_dict(self) -> dict[str, Any]:
     """The config as written (JSON-ready), for checkpoint metadata."""
@@ -184,14 +197,16 @@ class RunConfig:
 # the factory's own fields. configs/base.py sets each of them (tests/test_configs.py checks).
 FIELDS: dict[str, tuple[str, ...]] = {
     "": ("workdir", "dry_run", "model", "mesh", "ntp", "train", "checkpoint", "distributed",
-         "data"),
+         "data", "compile"),
     "model": ("factory", "init_from"),
     "mesh": ("tp", "dp"),
-    "ntp": ("failed", "slot_weights", "rebalance", "fail_at", "repair_at", "recovery"),
+    "ntp": ("failed", "slot_weights", "rebalance", "fail_at", "repair_at", "recovery",
+            "precompile", "precompile_max_programs", "precompile_max_host_gb"),
     "train": tuple(f.name for f in dataclasses.fields(TrainConfig)),
     "checkpoint": ("every", "keep", "dir", "resume"),
     "distributed": tuple(f.name for f in dataclasses.fields(DistributedConfig)),
     "data": tuple(f.name for f in dataclasses.fields(DataConfig)),
+    "compile": tuple(f.name for f in dataclasses.fields(CompileConfig)),
 }
 
 
@@ -292,6 +307,9 @@ def _ntp_section(reader: _Reader, mesh: MeshConfig, train: TrainConfig,
   recovery = reader.str("ntp.recovery")
   if recovery not in RECOVERY:
     raise ConfigError(f"ntp.recovery: {recovery!r} is not one of {', '.join(RECOVERY)}")
+  precompile = reader.str("ntp.precompile")
+  if precompile not in PRECOMPILE:
+    raise ConfigError(f"ntp.precompile: {precompile!r} is not one of {', '.join(PRECOMPILE)}")
   where = dict(dp=mesh.dp, tp=mesh.tp, steps=train.steps)
   events = (parse_events(reader.str("ntp.fail_at"), "fail", **where)
             + parse_events(reader.str("ntp.repair_at"), "repair", **where))
@@ -304,7 +322,9 @@ def _ntp_section(reader: _Reader, mesh: MeshConfig, train: TrainConfig,
       raise ConfigError("ntp.fail_at: with mesh.dp=1 no DP peer holds a copy of the state and "
                         "checkpoint.every=0 writes no checkpoint to fall back to")
   return NTPConfig(failed=failed, slot_weights=weights, rebalance=rebalance,
-                   events=tuple(sorted(events)), recovery=recovery)
+                   events=tuple(sorted(events)), recovery=recovery, precompile=precompile,
+                   precompile_max_programs=reader.int("ntp.precompile_max_programs", low=0),
+                   precompile_max_host_gb=reader.float("ntp.precompile_max_host_gb", low=0.0))
 
 
 def parse_failed(text: str, dp: int, tp: int) -> FailedSlots:

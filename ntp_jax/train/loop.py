@@ -10,6 +10,7 @@ live state onto the new plan (``ntp.recovery="live"``: from DP peers, see
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,19 +18,27 @@ from typing import Any
 import jax
 import numpy as np
 
+from ntp_jax.errors import ConfigError
 from ntp_jax.parallel.job_step import JobStep
-from ntp_jax.parallel.plan import Plan
-from ntp_jax.parallel.programs import ProgramCache, build_class_programs, logical_state
+from ntp_jax.parallel.plan import Plan, reachable_failed_sets
+from ntp_jax.parallel.programs import (
+  ProgramCache,
+  build_class_programs,
+  logical_state,
+  lower_plan,
+)
 from ntp_jax.parallel.steps import default_loss
 from ntp_jax.resilience.events import DeviceFailure, Event
 from ntp_jax.resilience.goodput import GoodputClock
-from ntp_jax.state.checkpoint import CheckpointError
+from ntp_jax.state.checkpoint import CheckpointError, CheckpointShapes
 from ntp_jax.state.peer import PeerSource, poison
 from ntp_jax.state.placement import LogicalSource
 from ntp_jax.state.sources import InitSource
 from ntp_jax.state.spanning import processes_without_pieces
+from ntp_jax.train.compilation import compile_seconds
 from ntp_jax.train.config import RunConfig
 from ntp_jax.train.hooks import Hook, StepInfo
+from ntp_jax.train.precompile import PlanJob, Precompiler
 
 
 class DatasetRows:
@@ -69,13 +78,16 @@ class TrainingRun:
     initial_source: ``ModelSpec.initial_source``: the parameters a fresh
       start, or a restart with no checkpoint, begins from; None: the
       model's own initialisation (``InitSource``).
+    precompile: compile the plans one failure or repair away in the
+      background (``train.precompile``; ``ntp.precompile`` resolved).
   """
 
   def __init__(self, config: RunConfig, *, make_plan: Callable[[frozenset], Plan], make_model,
                optimizer, devices, dataset, checkpoints, writer, log,
                failed: frozenset[tuple[int, int]], loss=default_loss,
                hooks: Sequence[Hook] = (),
-               initial_source: Callable[[], LogicalSource] | None = None):
+               initial_source: Callable[[], LogicalSource] | None = None,
+               precompile: bool = False):
     self.config = config
     self.initial_source = initial_source
     self.loss = loss
@@ -90,6 +102,13 @@ class TrainingRun:
     self.log = log
     self.failed = frozenset(failed)
     self.cache = ProgramCache()
+    self.precompiler = None
+    if precompile:
+      ntp = config.ntp
+      self.precompiler = Precompiler(self.cache, log, max_programs=ntp.precompile_max_programs,
+                                     max_host_bytes=int(ntp.precompile_max_host_gb * 2**30))
+    self.recovery: dict[str, Any] | None = None  # the last recovery, until its first step
+    self.ahead_of: Plan | None = None  # the plan whose neighbours are compiling ahead
     self.clock = GoodputClock()
     self.plan: Plan | None = None
     self.programs: list = []
@@ -108,13 +127,13 @@ class TrainingRun:
   # -- building -------------------------------------------------------------------------------
 
   def build(self, plan: Plan, source) -> None:
-    """Programs of ``plan`` filled from ``source``; the next step compiles (or hits the cache)."""
-    misses = self.cache.misses
+    """Programs of ``plan`` filled from ``source``; the next step compiles unless every program
+    was compiled before (a plan met again, or compiled ahead)."""
     self.plan = plan
-    tokens = plan.global_batch * self.config.train.seq_len
     self.programs = build_class_programs(plan, self.make_model, self.optimizer,
-                                         self.config.train.clip_norm, tokens, self.devices,
-                                         source=source, cache=self.cache, loss=self.loss)
+                                         self.config.train.clip_norm, self.global_tokens(plan),
+                                         self.devices, source=source, cache=self.cache,
+                                         loss=self.loss)
     self.job_step = JobStep(plan, self.programs, cache=self.cache)
     if self.checkpoints is not None and jax.process_count() > 1:
       missing = processes_without_pieces(
@@ -127,10 +146,48 @@ class TrainingRun:
             f"(its TP group spans processes and it holds only late slots), which orbax's "
             f"collective save needs; set checkpoint.every=0 or "
             f"distributed.processes_per_domain=1")
-    self.compile_next = self.cache.misses > misses
-    for what, hit in self.cache.events[-(len(self.programs) + (len(self.programs) > 1)):]:
-      if self.step:  # at start-up every program is new: say nothing
-        self.log(f"  {what}: {'cache hit, nothing to compile' if hit else 'compiled anew'}")
+    self.compile_next = not set(self.job_step.keys) <= self.cache.compiled
+    if self.step:  # at start-up every program is new: say nothing
+      names = [f"class program (TP degree {p.replica_class.degree}, replicas "
+               f"{list(p.replica_class.replicas)})" for p in self.programs if p.key is not None]
+      names += ["cross-class sync"] if self.job_step.sync_key is not None else []
+      for what, key in zip(names, self.job_step.keys):
+        state = "compiled already" if key in self.cache.compiled else "compiles with the next step"
+        self.log(f"  {what}: {state}")
+
+  def global_tokens(self, plan: Plan) -> int:
+    """Predicted tokens in one step of ``plan``, over every class."""
+    return plan.global_batch * self.config.train.seq_len
+
+  def compile_ahead(self) -> None:
+    """Schedule the background compile of every plan one failure or repair away from the
+    current one (``train.precompile``): its state moves, steps and sync."""
+    if self.precompiler is None:
+      return
+    jobs = []
+    tp, dp = self.plan.tp, self.plan.dp
+    for failed in reachable_failed_sets(self.failed, dp=dp, tp=tp):
+      try:
+        plan = self.make_plan(failed)
+      except (ValueError, ConfigError):
+        continue  # no live replica left: nothing to compile for
+      dead = {self.devices[r * tp + s] for r, s in failed - self.failed}
+      change = ", ".join(f"{'fail' if pair in failed else 'repair'} {pair[0]}:{pair[1]}"
+                         for pair in sorted(failed ^ self.failed))
+      label = f"{change} -> TP degrees {[r.degree for r in plan.replicas]}"
+      jobs.append(PlanJob(failed, label, functools.partial(
+          self._lower_plan, plan, self.programs, dead)))
+    self.precompiler.schedule(jobs)
+
+  def _lower_plan(self, plan: Plan, programs: list, dead: set) -> list:
+    """The programs a move from ``programs`` onto ``plan`` and its first step run, lowered."""
+    if self.config.ntp.recovery == "live":
+      source = PeerSource(programs, dead, min_degree=plan.t_min)
+    else:  # the restart path restores a checkpoint, whichever step it holds
+      source = CheckpointShapes()
+    return lower_plan(plan, self.make_model, self.optimizer, self.config.train.clip_norm,
+                      self.config.train.seq_len, self.devices, cache=self.cache, source=source,
+                      loss=self.loss)
 
   def fresh_source(self, plan: Plan) -> LogicalSource:
     """The state a run without a checkpoint starts from: ``initial_source`` (logged) or init."""
@@ -146,9 +203,9 @@ class TrainingRun:
     self.saved_step = step if source is not None else None
     if source is None:  # fresh parameters: part of start-up (idle time)
       self.build(plan, self.fresh_source(plan))
-      return
-    with self.clock.timed("checkpoint_restore"):
-      self.build(plan, source)
+    else:
+      with self.clock.timed("checkpoint_restore"):
+        self.build(plan, source)
 
   # -- checkpoints ----------------------------------------------------------------------------
 
@@ -165,7 +222,15 @@ class TrainingRun:
   # -- failures and repairs -------------------------------------------------------------------
 
   def apply(self, events: list[Event]) -> None:
-    """Change the failed set by ``events`` and move the job onto the new plan."""
+    """Change the failed set by ``events`` and move the job onto the new plan.
+
+    The parts of the cost go to the ``recovered`` event, written after the
+    first step on the new plan (``finish_recovery``): ``plan_s``, ``wait_s``
+    (for a compile ahead of this plan still running), ``move_s``,
+    ``compile_s`` (seconds this thread compiled from the failure to the end
+    of that step) and ``first_step_s``.
+    """
+    self.finish_recovery(None)
     before = self.failed
     for event in events:
       pair = frozenset({(event.replica, event.slot)})
@@ -174,13 +239,19 @@ class TrainingRun:
       self.writer.event(event.kind, step=self.step, replica=event.replica, slot=event.slot,
                         mid=event.mid)
     dead = {self.devices[r * self.plan.tp + s] for r, s in self.failed - before}
-    start = time.perf_counter()
+    start, compiled = time.perf_counter(), compile_seconds()
     plan = self.make_plan(self.failed)
+    plan_s = time.perf_counter() - start
     dropped = "".join(f", replica {r} dropped (no live slot)" for r in plan.dropped)
     redo = "; step cut after its gradients, redone" if any(e.mid for e in events) else ""
     self.log(f"step {self.step}: {', '.join(e.describe() for e in events)} -> TP degrees "
              f"{[r.degree for r in plan.replicas]}{dropped}, {plan.global_batch} sequences per "
              f"step{redo}")
+    wait_s = self.precompiler.settle(self.failed) if self.precompiler is not None else 0.0
+    self.clock.add("compile", wait_s)
+    ahead = self.precompiler is not None and self.failed in self.precompiler.ready
+    self.recovery = {"start": start, "compiled": compiled, "plan_s": plan_s, "wait_s": wait_s,
+                     "ahead": ahead}
     live = self.config.ntp.recovery == "live"
     if live and jax.process_count() > 1:
       # A failed slot's shards are copied device to device from a DP peer; across
@@ -188,6 +259,9 @@ class TrainingRun:
       self.log("  live recovery runs within one process only; restoring the last checkpoint")
       live = False
     if live:
+      moving = time.perf_counter()
+      self.log(f"  moving the state from DP peers onto the new plan (programs "
+               f"{'compiled ahead' if ahead else 'not compiled ahead: compiling them now'})")
       poison(self.programs, dead)
       source = PeerSource(self.programs, dead, min_degree=plan.t_min)
       try:
@@ -196,12 +270,15 @@ class TrainingRun:
         self.log(f"  live recovery impossible ({err}); restoring the last checkpoint instead")
         self.restart(plan)
         return
-      self.clock.add("reconfigure", time.perf_counter() - start)
+      move_s = time.perf_counter() - moving
+      move_compile = compile_seconds() - compiled
+      self.clock.add("compile", move_compile)
+      self.clock.add("reconfigure", time.perf_counter() - start - wait_s - move_compile)
       self.moved_bytes += source.copied_bytes
-      self.writer.event("recovered", step=self.step, path="live",
-                        seconds=time.perf_counter() - start, copied_bytes=source.copied_bytes)
+      self.recovery.update(path="live", move_s=move_s, copied_bytes=source.copied_bytes,
+                           seconds=time.perf_counter() - start)
       self.log(f"  live: state moved from DP peers, {source.copied_bytes / 1e6:.2f} MB copied "
-               f"between devices, in {time.perf_counter() - start:.2f} s")
+               f"between devices, in {move_s:.2f} s")
     else:
       self.restart(plan)
 
@@ -219,14 +296,31 @@ class TrainingRun:
       meta = self.checkpoints.meta(latest)
       self.step, self.cursor = latest, int(meta["data_cursor"])
       source = self.checkpoints.source(latest)
+    where = self.checkpoints.step_dir(latest) if latest is not None else "initialisation"
+    self.log(f"  restoring step {self.step} from {where} onto the new plan")
     self.build(plan, source or self.fresh_source(plan))
     self.saved_step = latest
     self.clock.add("checkpoint_restore", time.perf_counter() - start)
-    self.writer.event("recovered", step=self.step, path="restart",
-                      seconds=time.perf_counter() - start, redo=self.furthest - self.step)
-    self.log(f"  restart: restored step {self.step} from "
-             f"{self.checkpoints.step_dir(latest) if latest is not None else 'initialisation'} "
-             f"in {time.perf_counter() - start:.2f} s; {self.furthest - self.step} step(s) to redo")
+    if self.recovery is not None:
+      self.recovery.update(path="restart", move_s=time.perf_counter() - start,
+                           redo=self.furthest - self.step,
+                           seconds=time.perf_counter() - self.recovery["start"])
+    self.log(f"  restart: restored step {self.step} from {where} in "
+             f"{time.perf_counter() - start:.2f} s; {self.furthest - self.step} step(s) to redo")
+
+  def finish_recovery(self, first_step_s: float | None) -> None:
+    """Write the last recovery's ``recovered`` event, once its first step has run (or
+    ``first_step_s=None``: none will); see ``apply``."""
+    if self.recovery is None:
+      return
+    r, self.recovery = self.recovery, None
+    fields = {k: r[k] for k in ("path", "seconds", "plan_s", "wait_s", "move_s", "copied_bytes",
+                                "redo") if k in r}
+    fields["compile_s"] = round(compile_seconds() - r["compiled"], 3)
+    fields["compiled_ahead"] = r["ahead"]
+    if first_step_s is not None:
+      fields["first_step_s"] = first_step_s
+    self.writer.event("recovered", step=self.step - (first_step_s is not None), **fields)
 
   # -- steps ----------------------------------------------------------------------------------
 
@@ -244,6 +338,9 @@ class TrainingRun:
     degrees = [r.degree for r in plan.replicas]
     tokens = plan.global_batch * self.config.train.seq_len
     batch = DatasetRows(self.dataset, self.cursor, plan.global_batch, self.config.train.seq_len)
+    if self.compile_next:
+      self.log(f"  step {self.step}: compiling the programs of this plan")
+    busy = self.precompiler is not None and self.precompiler.busy
     start = time.perf_counter()
     metrics = self.job_step(batch)
     # Both block: with several classes the loss is ready before the update is done.
@@ -267,10 +364,17 @@ class TrainingRun:
               "data_cursor": self.cursor, "time": time.time()}
     if compiled:
       record["compiled"] = True
+      self.cache.mark_compiled(self.job_step.keys)
+    if busy:
+      record["precompiling"] = True  # a background compile shared the machine
     self.step += 1
     self.furthest = max(self.furthest, self.step)
     self.losses.append(loss)
     self.records.append(record)
+    self.finish_recovery(elapsed)
+    if self.ahead_of is not self.plan:  # after a plan's first step: it has the machine first
+      self.ahead_of = self.plan
+      self.compile_ahead()
     info = StepInfo(step=record["step"], done=self.step, total=steps, plan=plan, loss=loss,
                     grad_norm=grad_norm, tokens=tokens, step_time_s=elapsed,
                     compiled=compiled, record=record, run=self)
@@ -313,5 +417,8 @@ class TrainingRun:
         except DeviceFailure as failure:
           self.apply([Event(self.step, True, "fail", failure.replica, failure.slot)])
     finally:
+      self.finish_recovery(None)
+      if self.precompiler is not None:
+        self.precompiler.close()
       for hook in self.hooks:
         hook.on_end(self)

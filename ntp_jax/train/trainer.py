@@ -29,6 +29,7 @@ from ntp_jax.resilience.goodput import plot_run
 from ntp_jax.resilience.signals import StopSignals
 from ntp_jax.sharding.topology import is_mine
 from ntp_jax.state.checkpoint import Checkpoints
+from ntp_jax.train.compilation import set_up_cache
 from ntp_jax.train.config import RunConfig, as_run_config
 from ntp_jax.train.footprint import ClassFootprint
 from ntp_jax.train.hooks import (
@@ -177,6 +178,8 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   config = as_run_config(config)
   user_hooks = [as_hook(h) for h in hooks]
   job = join(config.distributed)  # several processes: jax.distributed first, before computing
+  # Before anything compiles: a restart loads what this run compiled.
+  set_up_cache(config.compile.cache_dir, config.workdir)
   # Process 0 speaks for the job; the others say only where they are.
   log = _logger(log) if job.primary else _quiet(log)
   model = model or load_model_spec(config.model.factory, config.source)
@@ -235,6 +238,22 @@ def train(config, *, model: ModelSpec | None = None, log=print,
         checkpoints.close()
 
 
+def precompile_on(config: RunConfig, devices: Sequence[jax.Device], log) -> bool:
+  """``ntp.precompile`` resolved: compile the plans one failure or repair away in the
+  background (``train.precompile``)? ``auto`` is on for GPU and TPU, off on CPU (the
+  compiling thread would take the cores the step runs on). One process only: across
+  processes a failure takes the restart path. Logs the choice."""
+  setting = config.ntp.precompile
+  on = setting == "next_failure" or (setting == "auto" and devices[0].platform != "cpu")
+  if on and jax.process_count() > 1:
+    log("compile ahead: off (ntp.precompile): across processes a failure restarts")
+    return False
+  if on:
+    log("compile ahead: on (ntp.precompile): the plans one failure or repair away compile in "
+        "the background")
+  return on
+
+
 def plan_for(config: RunConfig, model: ModelSpec, failed: frozenset[tuple[int, int]]) -> Plan:
   """The plan of ``config``'s mesh, weights, batch and policy with ``failed`` slots."""
   return make_plan(model.layouts, tp=config.mesh.tp, dp=config.mesh.dp, failed=failed,
@@ -276,7 +295,8 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
                     devices=devices, dataset=dataset, checkpoints=checkpoints, writer=writer,
                     log=log, failed=start.failed,
                     hooks=default_hooks(config, log, writer, dataset, primary) + extra_hooks,
-                    initial_source=model.initial_source)
+                    initial_source=model.initial_source,
+                    precompile=precompile_on(config, devices, log))
   try:
     run.start(start.plan, start.source, start.step, start.cursor)
     plan = start.plan

@@ -1,0 +1,89 @@
+"""Compilation as the trainer sees it: the persistent cache, and seconds spent compiling.
+
+- ``set_up_cache``: JAX's persistent compilation cache in a folder
+  (``compile.cache_dir``, default ``WORKDIR/compile_cache``). A restart in a
+  new process loads its programs from there instead of compiling them. On
+  GPU the cache key leaves out the device assignment
+  (``jax/_src/cache_key.py``), so one compiled class program serves every
+  device set of the same layouts; on CPU the devices are part of the key.
+- ``compile_seconds``: seconds the calling thread has spent lowering and
+  compiling (``jax.monitoring`` events), so the loop can say
+  what a recovery spent compiling on its critical path while a background
+  thread compiles other plans (``train.precompile``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+# jax.monitoring events of one compilation: lowering to MLIR, then the XLA compile (or a
+# persistent-cache load). Tracing is left out: shape inference (jax.eval_shape) traces too.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+_seconds: collections.Counter = collections.Counter()  # thread id -> seconds compiling
+_listening = False
+_lock = threading.Lock()
+
+
+def _listen(event: str, duration: float, **_) -> None:
+  if event in COMPILE_EVENTS:
+    _seconds[threading.get_ident()] += duration
+
+
+def compile_seconds() -> float:
+  """Seconds the calling thread has spent compiling since the first call (take differences)."""
+  global _listening
+  with _lock:
+    if not _listening:  # one listener per process: jax.monitoring has no public unregister
+      jax.monitoring.register_event_duration_secs_listener(_listen)
+      _listening = True
+  return _seconds[threading.get_ident()]
+
+
+_chosen: str | None = None  # the folder set_up_cache chose (not the environment's)
+
+
+def set_up_cache(setting: str, workdir: str) -> str | None:
+  """Point JAX's persistent compilation cache where ``compile.cache_dir`` says; returns the
+  folder, or None when off.
+
+  ``setting``: a folder; ``""``: JAX's own setting when the environment
+  gives one (``JAX_COMPILATION_CACHE_DIR``), else ``WORKDIR/compile_cache``;
+  ``"none"``: off. In a folder chosen here every program is cached, however
+  quick its compile, so a restart loads all of them. A later call may move
+  the process's cache to another folder.
+  """
+  global _chosen
+  current = jax.config.jax_compilation_cache_dir
+  if setting == "none":
+    folder = None
+  elif setting:
+    folder = setting
+  elif current and current != _chosen:  # the environment's (or the caller's) own cache
+    return current
+  else:
+    folder = os.path.join(workdir, "compile_cache")
+  if folder != current:
+    compilation_cache.reset_cache()  # the cache object keeps the folder it first opened
+    jax.config.update("jax_compilation_cache_dir", folder)
+  _chosen = folder
+  if folder is not None:
+    os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return folder
+
+
+def host_resident_bytes() -> int:
+  """This process's resident host memory in bytes (0 where ``/proc`` is missing)."""
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return 0
