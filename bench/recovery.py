@@ -8,22 +8,34 @@ shares), through ``ntp_jax.train.trainer.train``. A failure of replica 0 slot 3
 strikes before step 11, with a checkpoint every 10 steps:
 
 - *time to the next productive step*: from the failure until step 11 has
-  run on the new plan (reconfiguration or restore, compilation of the new
-  programs, the steps redone since the checkpoint, step 11 itself). Three
-  paths: live (in the running process), restart in-process (the checkpoint
-  restored onto the new plan without leaving the process: a lower bound), and
-  restart as a job scheduler does it: a new ``train.py`` process resuming
-  from the step-10 checkpoint onto the reduced plan (process and JAX
-  start-up, data cache, restore, compilation, step 10 redone, step 11);
+  run on the new plan (plan, state move or restore, any compilation, the
+  steps redone since the checkpoint, step 11 itself). Paths: live with the
+  plans one failure away compiled ahead (``ntp.precompile=next_failure``;
+  the run waits before step 11 until that background compile is done, as a
+  failure in a long run comes long after it), live without, restart
+  in-process (the checkpoint restored onto the new plan without leaving the
+  process, compiled ahead: a lower bound), and restart as a job scheduler
+  does it: a new ``train.py`` process resuming from the step-10 checkpoint
+  onto the reduced plan (process and JAX start-up, data cache, restore,
+  loading or compiling the programs, step 10 redone, step 11), once with a
+  cold persistent compilation cache and once with it warm;
+- *the live path's parts*: plan, state move, compile on the recovery path
+  (``compile_s`` of the ``recovered`` row), first step;
 - *bytes moved*: bytes the live path copies between devices, against the
   logical state (parameters and both Adam moments);
-- *goodput* of a longer run with two failures and one repair, live.
+- *goodput* of a longer run with two failures and one repair, live, with and
+  without compiling ahead, and what the background compile costs the steps
+  it overlaps (their median step time against the same steps without it).
 
-Batch and sequence are small so that the steps take well under a second on CPU.
+Batch and sequence are small so that the steps take well under a second on
+CPU. Each stage starts with this process's program caches cleared, so no
+stage reuses another's compiled programs.
 """
 
 import argparse
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,10 +53,40 @@ import jax  # noqa: E402
 from common import emit, load_config  # noqa: E402
 
 from models.gpt import GPTConfig, count_params  # noqa: E402
+from ntp_jax.state.placement import clear_program_caches  # noqa: E402
+from ntp_jax.train.hooks import Hook  # noqa: E402
 from ntp_jax.train.metrics import read_metrics, read_records  # noqa: E402
 from ntp_jax.train.trainer import train  # noqa: E402
 
 FAIL_STEP = 11
+AHEAD = {"ntp.precompile": "next_failure"}
+NOT_AHEAD = {"ntp.precompile": "none"}
+
+
+class AheadOfTime(Hook):
+  """Reads the run's compile-ahead figures at its end; with ``wait_before``, holds that step
+  until the background compile is done (a failure in a long run comes long after it)."""
+
+  def __init__(self, wait_before: int | None = None):
+    self.wait_before = wait_before
+    self.programs, self.seconds, self.waited = 0, 0.0, 0.0
+
+  def before_step(self, run, step):
+    if step == self.wait_before and run.precompiler is not None:
+      start = time.perf_counter()
+      run.precompiler.wait_idle()
+      self.waited = time.perf_counter() - start
+    return []
+
+  def on_end(self, run):
+    if run.precompiler is not None:
+      self.programs, self.seconds = run.precompiler.compiled, run.precompiler.seconds
+
+
+def fresh_caches():
+  """No stage reuses a program another stage compiled in this process."""
+  jax.clear_caches()
+  clear_program_caches()
 
 
 def configure(args, workdir, **overrides):
@@ -85,23 +127,58 @@ def time_to_productive(records, fail_step):
   return seconds, next(r for r in rows if r.get("event") == "recovered")
 
 
-def process_restart(args, base: str) -> float:
+def process_restart(args, base: str) -> tuple[float, float]:
   """Seconds from launching ``train.py`` on the reduced plan, resuming the step-10
-  checkpoint, to the end of step ``FAIL_STEP``."""
+  checkpoint, to the end of step ``FAIL_STEP``: ``(cold, warm)`` persistent compilation
+  cache (the warm run finds what the cold one compiled)."""
   workdir = os.path.join(base, "process")
   train(configure(args, workdir, **{"train.steps": 10}), log=lambda *_: None)
-  command = [sys.executable, os.path.join(ROOT, "train.py"), "--config", args.config,
-             f"--config.workdir={workdir}", "--config.mesh.dp=2", "--config.mesh.tp=4",
-             "--config.ntp.rebalance=equal", f"--config.train.batch_size={args.batch}",
-             f"--config.train.seq_len={args.seq}", "--config.data.max_corpus_bytes=2000000",
-             "--config.checkpoint.every=10", f"--config.train.steps={FAIL_STEP + 1}",
-             "--config.ntp.failed=0:3", "--config.train.plot=False"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  start = time.time()
-  subprocess.run(command, check=True, capture_output=True, env=env, cwd=ROOT)
-  record = next(r for r in read_metrics(os.path.join(workdir, "metrics.jsonl"))
-                if r["step"] == FAIL_STEP)
-  return record["time"] - start
+  cache = os.path.join(base, "process_compile_cache")
+  seconds = []
+  for name in ("cold", "warm"):
+    copy = os.path.join(base, f"process_{name}")
+    shutil.copytree(workdir, copy, symlinks=True)  # each resumes the same step-10 checkpoint
+    command = [sys.executable, os.path.join(ROOT, "train.py"), "--config", args.config,
+               f"--config.workdir={copy}", "--config.mesh.dp=2", "--config.mesh.tp=4",
+               "--config.ntp.rebalance=equal", f"--config.train.batch_size={args.batch}",
+               f"--config.train.seq_len={args.seq}", "--config.data.max_corpus_bytes=2000000",
+               "--config.checkpoint.every=10", f"--config.train.steps={FAIL_STEP + 1}",
+               "--config.ntp.failed=0:3", "--config.train.plot=False",
+               f"--config.compile.cache_dir={cache}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",
+                                                             "JAX_COMPILATION_CACHE_DIR")}
+    start = time.time()
+    subprocess.run(command, check=True, capture_output=True, env=env, cwd=ROOT)
+    record = next(r for r in read_metrics(os.path.join(copy, "metrics.jsonl"))
+                  if r["step"] == FAIL_STEP)
+    seconds.append(record["time"] - start)
+  return seconds[0], seconds[1]
+
+
+def overlap_cost(ahead_records, plain_records) -> tuple[float, int]:
+  """Median step time of the steps a background compile overlapped, over the same steps'
+  in the run without it (neither compiling its own programs); and how many steps."""
+  plain = {r["step"]: r["step_time_s"] for r in plain_records
+           if "loss" in r and not r.get("compiled")}
+  pairs = [(r["step_time_s"], plain[r["step"]]) for r in ahead_records
+           if r.get("precompiling") and not r.get("compiled") and r["step"] in plain]
+  if not pairs:
+    return float("nan"), 0
+  return (statistics.median(a for a, _ in pairs) / statistics.median(b for _, b in pairs),
+          len(pairs))
+
+
+def goodput_of(result) -> tuple[float, float]:
+  """(goodput over the whole wall time, effective tokens per second at the last step)."""
+  last = [r for r in read_metrics(result.metrics_path) if "effective_tokens_per_s" in r][-1]
+  return (result.goodput["productive"] / sum(result.goodput.values()),
+          last["effective_tokens_per_s"])
+
+
+def recovery_compile(result) -> float:
+  """Seconds compiled on the recovery paths of a run (its ``recovered`` rows)."""
+  return sum(r["compile_s"] for r in read_records(result.metrics_path)
+             if r.get("event") == "recovered")
 
 
 def main():
@@ -118,45 +195,90 @@ def main():
   steps = args.goodput_steps
   events = {"ntp.fail_at": f"{steps // 4}@0:3,{3 * steps // 5}@1:1",
             "ntp.repair_at": f"{steps // 2}@0:3", "train.steps": steps}
-  with Stages(4, "recovery bench") as stages:
-    stages.next("live")
-    live = train(configure(args, os.path.join(base, "live"), **fail), **quiet)
+  with Stages(8, "recovery bench") as stages:
+    stages.next("live, not compiled ahead")
+    fresh_caches()
+    plain = train(configure(args, os.path.join(base, "live_plain"), **fail, **NOT_AHEAD),
+                  **quiet)
+    plain_s, plain_event = time_to_productive(read_records(plain.metrics_path), FAIL_STEP)
+    stages.next("live, compiled ahead")
+    fresh_caches()
+    live_ahead = AheadOfTime(wait_before=FAIL_STEP)
+    live = train(configure(args, os.path.join(base, "live"), **fail, **AHEAD), **quiet,
+                 hooks=[live_ahead])
     live_s, live_event = time_to_productive(read_records(live.metrics_path), FAIL_STEP)
-    stages.next("restart in-process")
-    restart = train(configure(args, os.path.join(base, "restart"), **fail,
-                              **{"ntp.recovery": "restart"}), **quiet)
+    stages.next("restart in-process, compiled ahead")
+    fresh_caches()
+    restart = train(configure(args, os.path.join(base, "restart"), **fail, **AHEAD,
+                              **{"ntp.recovery": "restart"}), **quiet,
+                    hooks=[AheadOfTime(wait_before=FAIL_STEP)])
     restart_s, restart_event = time_to_productive(read_records(restart.metrics_path),
                                                   FAIL_STEP)
-    stages.next("restart as a new process")
-    process_s = process_restart(args, base)
-    stages.next(f"{steps}-step goodput run")
-    long_run = train(configure(args, os.path.join(base, "goodput"), **events), **quiet)
+    stages.next("restart as a new process, cold and warm cache")
+    fresh_caches()
+    process_cold_s, process_s = process_restart(args, base)
+    stages.next(f"{steps}-step goodput run, not compiled ahead")
+    fresh_caches()
+    long_plain = train(configure(args, os.path.join(base, "goodput_plain"), **events,
+                                 **NOT_AHEAD), **quiet)
+    stages.next(f"{steps}-step goodput run, compiled ahead")
+    fresh_caches()
+    long_ahead = AheadOfTime()
+    long_run = train(configure(args, os.path.join(base, "goodput"), **events, **AHEAD),
+                     **quiet, hooks=[long_ahead])
   config = configure(args, os.path.join(base, "live"))
   logical = 3 * 4 * count_params(GPTConfig.from_config(config.model))  # f32 params + 2 moments
   buckets = long_run.goodput
-  wall = sum(buckets.values())
+  goodput, effective = goodput_of(long_run)
+  plain_goodput, plain_effective = goodput_of(long_plain)
+  overlap, overlapped = overlap_cost(long_run.records, long_plain.records)
+  parts = ", ".join(f"{name} {live_event[key]:.2f} s" for name, key in (
+      ("plan", "plan_s"), ("move", "move_s"), ("compile", "compile_s"),
+      ("first step", "first_step_s")))
   lines = [f"`python bench/recovery.py --config {os.path.relpath(args.config, ROOT)} "
            f"--batch {args.batch} --seq {args.seq} --goodput-steps {steps}` "
            f"({jax.devices()[0].platform}, 8 devices, mesh 2 x 4, "
            f"{config.train.batch_size} x {config.train.seq_len} tokens per step)", "",
            "| figure | value |", "|---|---|",
            f"| live: failure to next productive step (plan, move from peers, compile, step "
-           f"{FAIL_STEP}) | {live_s:.2f} s |",
-           f"| restart in-process: failure to next productive step (restore step 10, compile, "
-           f"redo step 10, step {FAIL_STEP}) | {restart_s:.2f} s |",
-           f"| restart as a new process (start-up, restore step 10, compile, redo step 10, "
-           f"step {FAIL_STEP}) | {process_s:.2f} s |",
+           f"{FAIL_STEP}), compiled ahead | {live_s:.2f} s |",
+           f"| live: compile on the recovery path | {live_event['compile_s']:.1f} s |",
+           f"| live: its parts | {parts} |",
+           f"| live, not compiled ahead: failure to next productive step | {plain_s:.2f} s |",
+           f"| live, not compiled ahead: compile on the recovery path | "
+           f"{plain_event['compile_s']:.1f} s |",
+           f"| compiled ahead before the failure: programs, background wall time | "
+           f"{live_ahead.programs}, {live_ahead.seconds:.1f} s |",
+           f"| restart in-process: failure to next productive step (restore step 10, "
+           f"redo step 10, step {FAIL_STEP}), compiled ahead | {restart_s:.2f} s |",
+           f"| restart in-process: compile on the recovery path | "
+           f"{restart_event['compile_s']:.1f} s |",
+           f"| restart as a new process (start-up, restore step 10, load or compile, redo "
+           f"step 10, step {FAIL_STEP}): warm / cold compilation cache | "
+           f"{process_s:.2f} s / {process_cold_s:.2f} s |",
            f"| live / restart in-process | {live_s / restart_s:.2f} |",
-           f"| live / restart as a new process | {live_s / process_s:.2f} |",
+           f"| live / restart as a new process: warm / cold cache | {live_s / process_s:.2f} / "
+           f"{live_s / process_cold_s:.2f} |",
            f"| live: steps redone | {live['redone_steps']} |",
            f"| restart: steps redone | {restart['redone_steps']} |",
            f"| live: bytes copied between devices | {live_event['copied_bytes'] / 1e6:.1f} MB |",
            f"| logical state (parameters + 2 Adam moments, f32) | {logical / 1e6:.1f} MB |",
            f"| copied / logical | {live_event['copied_bytes'] / logical:.2f} |",
            f"| {steps}-step run, fail {events['ntp.fail_at']}, repair "
-           f"{events['ntp.repair_at']}: goodput | {buckets['productive'] / wall:.3f} |",
-           "| its wall time by bucket | " + ", ".join(
+           f"{events['ntp.repair_at']}: goodput, compiled ahead / not | {goodput:.3f} / "
+           f"{plain_goodput:.3f} |",
+           f"| its effective_tokens_per_s, compiled ahead / not | {effective:.0f} / "
+           f"{plain_effective:.0f} |",
+           "| its wall time by bucket, compiled ahead | " + ", ".join(
                f"{k} {v:.1f} s" for k, v in buckets.items() if v > 0) + " |",
+           "| its wall time by bucket, not compiled ahead | " + ", ".join(
+               f"{k} {v:.1f} s" for k, v in long_plain.goodput.items() if v > 0) + " |",
+           f"| its compile on the recovery paths, compiled ahead / not | "
+           f"{recovery_compile(long_run):.1f} s / {recovery_compile(long_plain):.1f} s |",
+           f"| its programs compiled ahead, background wall time | {long_ahead.programs}, "
+           f"{long_ahead.seconds:.1f} s |",
+           f"| step time while compiling ahead / the same steps without ({overlapped} steps, "
+           f"medians) | {overlap:.2f} |",
            f"| its programs | {long_run.cache[0]} cache hit(s), {long_run.cache[1]} "
            "compiled |"]
   emit(lines, args.out)

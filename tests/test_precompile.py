@@ -102,17 +102,21 @@ def test_the_bound_on_programs_stops_the_compile_ahead(tmp_path):
   assert any("stopped at 1 programs (ntp.precompile_max_programs)" in line for line in lines)
 
 
-def test_the_persistent_cache_lives_under_the_workdir_or_where_told(tmp_path):
-  before = jax.config.jax_compilation_cache_dir
+def test_the_persistent_cache_lives_under_the_workdir_or_where_told(tmp_path, monkeypatch):
+  environment = os.environ["JAX_COMPILATION_CACHE_DIR"]  # conftest's, shared by the run
   try:
-    assert set_up_cache("", str(tmp_path)) == before  # the environment's own cache is kept
+    assert set_up_cache("", str(tmp_path)) == environment
     assert set_up_cache(str(tmp_path / "mine"), str(tmp_path)) == str(tmp_path / "mine")
     assert os.path.isdir(tmp_path / "mine")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
     assert set_up_cache("", str(tmp_path)) == os.path.join(tmp_path, "compile_cache")
     assert set_up_cache("none", str(tmp_path)) is None
     assert jax.config.jax_compilation_cache_dir is None
   finally:
-    set_up_cache(before or "none", str(tmp_path))
+    monkeypatch.undo()
+    assert set_up_cache("", str(tmp_path)) == environment  # later tests share the run's cache
+  assert jax.config.jax_compilation_cache_dir == environment
 
 
 @pytest.mark.parametrize("field,value", [("ntp.precompile", "always"),

@@ -67,4 +67,9 @@ SLOW = {
     "tests/test_train.py::test_two_replicas_of_different_degree_match_single_device",
     "tests/test_train.py::test_metrics_jsonl_has_one_full_precision_record_per_step",
     "tests/test_output.py::test_validation_loss_summary_and_tensorboard",
+    # Compiling ahead: two runs through a failure and a repair waiting for the background
+    # compile, and the restart path (the bound, the cache folder, the lowered program's
+    # independence of the failed slot and the config errors stay fast).
+    "tests/test_precompile.py::test_a_recovery_compiled_ahead_compiles_nothing_and_changes_no_loss",
+    "tests/test_precompile.py::test_the_restart_path_compiles_no_step_ahead_of_it",
 }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -152,6 +152,11 @@ class ProgramCache:
     with self._lock:
       self.compiled.update(keys)
 
+  def compiled_keys(self) -> set[Hashable]:
+    """A copy of ``compiled``, taken under the lock (another thread may be adding)."""
+    with self._lock:
+      return set(self.compiled)
+
   @property
   def hits(self) -> int:
     return sum(hit for _, hit in self.events)
@@ -276,7 +281,7 @@ def lower_plan(plan: Plan, make_model: Callable[[Any], nnx.Module],
                optimizer: optax.GradientTransformation, clip_norm: float, seq_len: int,
                devices: Sequence[jax.Device], *, cache: ProgramCache,
                source: LogicalSource | None = None, loss: Callable[..., Any] = default_loss,
-               optimizer_key: Hashable | None = None
+               optimizer_key: Hashable | None = None, skip: Collection[Hashable] = ()
                ) -> list[tuple[str, Hashable, jax.stages.Lowered]]:
   """Every program a move onto ``plan`` and its first step run, lowered ahead of time.
 
@@ -287,6 +292,8 @@ def lower_plan(plan: Plan, make_model: Callable[[Any], nnx.Module],
   With a ``source``, the programs that ``place_logical`` runs to fill the
   classes from it are included (``placement.lower_placement``; left out when
   the source cannot tell them). Only classes with a device in this process.
+  Steps and syncs whose cache key is in ``skip`` (compiled already: a class
+  shared by several reachable plans) are left out.
 
   Returns:
     ``(what, cache key or None, lowered)`` per program, in the order a
@@ -308,13 +315,15 @@ def lower_plan(plan: Plan, make_model: Callable[[Any], nnx.Module],
                             regroups=shapes.regroups, record=False)
     batch = jax.ShapeDtypeStruct((replica_class.batch_rows, seq_len + 1), np.int32,
                                  sharding=NamedSharding(mesh, P(DP)))
-    steps += [(f"class program ({name})", key, lowered)
-              for lowered in step.lower(state["params"], state["opt_state"], batch)]
+    if key not in skip:
+      steps += [(f"class program ({name})", key, lowered)
+                for lowered in step.lower(state["params"], state["opt_state"], batch)]
     if isinstance(step, SplitStep):
       blocks.append(abstract_sync_blocks(step.grad, state["params"], batch, mesh))
   if len(plan.classes) > 1 and blocks:
     key, sync = cached_sync(cache, shapes.meshes, shapes.t_min, record=False)
-    steps.append(("cross-class sync", key, sync.lower(blocks)))
+    if key not in skip:
+      steps.append(("cross-class sync", key, sync.lower(blocks)))
   return moves + steps
 
 

@@ -593,6 +593,14 @@ def _stack_program(dtypes: tuple[np.dtype, ...], mesh: Mesh) -> Callable[..., An
   return jax.jit(stack, out_shardings=[NamedSharding(mesh, P(DP))] * len(dtypes))
 
 
+def clear_program_caches() -> None:
+  """Forget the placement programs this process keeps (state moves met again compile
+  nothing while they are kept): for measuring a cold move, and ``jax.clear_caches``'s
+  companion."""
+  for cached in (_transfer_program, _stack_program, _mapped):
+    cached.cache_clear()
+
+
 def nest(flat: dict[Path, Any]) -> dict:
   """``{("a", "b"): x}`` -> ``{"a": {"b": x}}``."""
   out: dict = {}

@@ -61,11 +61,14 @@ def set_up_cache(setting: str, workdir: str) -> str | None:
   """
   global _chosen
   current = jax.config.jax_compilation_cache_dir
+  environment = os.environ.get("JAX_COMPILATION_CACHE_DIR")
   if setting == "none":
     folder = None
   elif setting:
     folder = setting
-  elif current and current != _chosen:  # the environment's (or the caller's) own cache
+  elif environment:  # the environment's own cache, with its own thresholds
+    folder = environment
+  elif current and current != _chosen:  # the caller's own cache (set in Python)
     return current
   else:
     folder = os.path.join(workdir, "compile_cache")
@@ -73,7 +76,7 @@ def set_up_cache(setting: str, workdir: str) -> str | None:
     compilation_cache.reset_cache()  # the cache object keeps the folder it first opened
     jax.config.update("jax_compilation_cache_dir", folder)
   _chosen = folder
-  if folder is not None:
+  if folder is not None and folder != environment:
     os.makedirs(folder, exist_ok=True)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -146,13 +146,14 @@ class TrainingRun:
             f"(its TP group spans processes and it holds only late slots), which orbax's "
             f"collective save needs; set checkpoint.every=0 or "
             f"distributed.processes_per_domain=1")
-    self.compile_next = not set(self.job_step.keys) <= self.cache.compiled
+    compiled = self.cache.compiled_keys()
+    self.compile_next = not set(self.job_step.keys) <= compiled
     if self.step:  # at start-up every program is new: say nothing
       names = [f"class program (TP degree {p.replica_class.degree}, replicas "
                f"{list(p.replica_class.replicas)})" for p in self.programs if p.key is not None]
       names += ["cross-class sync"] if self.job_step.sync_key is not None else []
       for what, key in zip(names, self.job_step.keys):
-        state = "compiled already" if key in self.cache.compiled else "compiles with the next step"
+        state = "compiled already" if key in compiled else "compiles with the next step"
         self.log(f"  {what}: {state}")
 
   def global_tokens(self, plan: Plan) -> int:
@@ -187,7 +188,7 @@ class TrainingRun:
       source = CheckpointShapes()
     return lower_plan(plan, self.make_model, self.optimizer, self.config.train.clip_norm,
                       self.config.train.seq_len, self.devices, cache=self.cache, source=source,
-                      loss=self.loss)
+                      loss=self.loss, skip=self.cache.compiled_keys())
 
   def fresh_source(self, plan: Plan) -> LogicalSource:
     """The state a run without a checkpoint starts from: ``initial_source`` (logged) or init."""

@@ -16,6 +16,7 @@ change and on the host memory the process grows by.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -128,8 +129,10 @@ class Precompiler:
       with self._cv:
         while not self._jobs and not self._closed:
           if generation == self._generation and plans:
+            grown = (host_resident_bytes() - (self._rss_start or 0)) / 2**30
             self.log(f"compiled ahead: {count} program(s) for {plans} plan(s) one failure or "
-                     f"repair away, in {time.perf_counter() - start:.1f} s")
+                     f"repair away, in {time.perf_counter() - start:.1f} s (host memory "
+                     f"{grown:+.2f} GiB since the first compile ahead)")
             plans = 0
           self._cv.wait()
         if self._closed:
@@ -153,8 +156,11 @@ class Precompiler:
         self._cv.notify_all()
 
   def _compile(self, job: PlanJob, generation: int, count: int) -> tuple[bool, int]:
-    """Lower and compile ``job``'s programs; ``(all compiled, programs counted)``."""
-    for _, key, lowered in job.lower():
+    """Lower and compile ``job``'s programs; ``(all compiled, programs counted)``. A cache
+    key is marked compiled once every program under it is (a split step has two)."""
+    programs = job.lower()
+    left = collections.Counter(key for _, key, _ in programs if key is not None)
+    for _, key, lowered in programs:
       if generation != self._generation:
         return False, count
       if self.max_programs and count >= self.max_programs:
@@ -169,7 +175,9 @@ class Precompiler:
       count += 1
       self.compiled += 1
       if key is not None:
-        self.cache.mark_compiled([key])
+        left[key] -= 1
+        if not left[key]:
+          self.cache.mark_compiled([key])
     return True, count
 
   def _stop(self, why: str, generation: int) -> None:
