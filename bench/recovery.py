@@ -259,8 +259,8 @@ def main():
            f"| live / restart in-process | {live_s / restart_s:.2f} |",
            f"| live / restart as a new process: warm / cold cache | {live_s / process_s:.2f} / "
            f"{live_s / process_cold_s:.2f} |",
-           f"| live: steps redone | {live['redone_steps']} |",
-           f"| restart: steps redone | {restart['redone_steps']} |",
+           f"| live: steps redone | {live.redone_steps} |",
+           f"| restart: steps redone | {restart.redone_steps} |",
            f"| live: bytes copied between devices | {live_event['copied_bytes'] / 1e6:.1f} MB |",
            f"| logical state (parameters + 2 Adam moments, f32) | {logical / 1e6:.1f} MB |",
            f"| copied / logical | {live_event['copied_bytes'] / logical:.2f} |",

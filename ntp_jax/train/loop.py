@@ -177,7 +177,7 @@ class TrainingRun:
                          for pair in sorted(failed ^ self.failed))
       label = f"{change} -> TP degrees {[r.degree for r in plan.replicas]}"
       jobs.append(PlanJob(failed, label, functools.partial(
-          self._lower_plan, plan, self.programs, dead)))
+          self._lower_plan, plan, self.programs, dead), origin=self.failed))
     self.precompiler.schedule(jobs)
 
   def _lower_plan(self, plan: Plan, programs: list, dead: set) -> list:
@@ -250,7 +250,7 @@ class TrainingRun:
              f"step{redo}")
     wait_s = self.precompiler.settle(self.failed) if self.precompiler is not None else 0.0
     self.clock.add("compile", wait_s)
-    ahead = self.precompiler is not None and self.failed in self.precompiler.ready
+    ahead = self.precompiler is not None and (before, self.failed) in self.precompiler.ready
     self.recovery = {"start": start, "compiled": compiled, "plan_s": plan_s, "wait_s": wait_s,
                      "ahead": ahead}
     live = self.config.ntp.recovery == "live"

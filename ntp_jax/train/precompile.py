@@ -33,6 +33,7 @@ class PlanJob:
 
   Attributes:
     failed: the plan's failed ``(replica, slot)`` pairs (what ``settle`` asks for).
+    origin: the failed set of the plan its state moves from (the moves depend on it).
     label: one line for the log, e.g. ``fail 0:3 -> TP degrees [3, 4]``.
     lower: ``() -> [(what, cache key or None, jax.stages.Lowered)]``.
   """
@@ -40,6 +41,12 @@ class PlanJob:
   failed: frozenset
   label: str
   lower: Callable[[], list[tuple[str, Hashable | None, Any]]]
+  origin: frozenset = frozenset()
+
+  @property
+  def move(self) -> tuple[frozenset, frozenset]:
+    """``(origin, failed)``: what ``Precompiler.ready`` holds once the job is compiled."""
+    return self.origin, self.failed
 
 
 class Precompiler:
@@ -66,7 +73,9 @@ class Precompiler:
     self._thread: threading.Thread | None = None
     self._closed = False
     self._rss_start: int | None = None
-    self.ready: set[frozenset] = set()  # failed sets whose every program is compiled
+    # (origin, failed) moves whose every program is compiled: the target's steps and sync,
+    # and the state moves from the origin's plan
+    self.ready: set[tuple[frozenset, frozenset]] = set()
     self.compiled = 0  # programs compiled ahead over the run
     self.seconds = 0.0  # wall seconds the worker spent compiling
 
@@ -74,7 +83,7 @@ class Precompiler:
     """Drop the work not yet started and compile ``jobs`` next, in order."""
     with self._cv:
       self._generation += 1
-      self._jobs = [j for j in jobs if j.failed not in self.ready]
+      self._jobs = [j for j in jobs if j.move not in self.ready]
       if self._rss_start is None:
         self._rss_start = host_resident_bytes()
       if self._thread is None:
@@ -150,7 +159,7 @@ class Precompiler:
       with self._cv:
         self.seconds += time.perf_counter() - began
         if complete:
-          self.ready.add(job.failed)
+          self.ready.add(job.move)
           plans += 1
         self._in_flight = None
         self._cv.notify_all()
