@@ -256,7 +256,7 @@ def per_device(array: jax.Array) -> dict[jax.Device, jax.Array]:
   return {s.device: s.data for s in array.addressable_shards}
 
 
-@functools.lru_cache(maxsize=1024)  # programs compiled ahead (train.precompile) must stay
+@functools.lru_cache(maxsize=1024)  # programs compiled ahead (ntp_jax.train.precompile) must stay
 def _transfer_program(split: tuple[Leaf, ...], mesh: Mesh, to_blocks: bool) -> Callable[..., Any]:
   """Jitted ``shard_map`` moving split leaves between the even layout and their layouts.
 

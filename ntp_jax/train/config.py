@@ -110,7 +110,7 @@ class DistributedConfig:
 @dataclasses.dataclass(frozen=True)
 class CompileConfig:
   # JAX's persistent compilation cache: a folder; "" the default (JAX's own setting when the
-  # environment gives one, else WORKDIR/compile_cache); "none" off (train.compilation)
+  # environment gives one, else WORKDIR/compile_cache); "none" off (ntp_jax.train.compilation)
   cache_dir: str
 
 

@@ -79,7 +79,7 @@ class TrainingRun:
       start, or a restart with no checkpoint, begins from; None: the
       model's own initialisation (``InitSource``).
     precompile: compile the plans one failure or repair away in the
-      background (``train.precompile``; ``ntp.precompile`` resolved).
+      background (``ntp_jax.train.precompile``; ``ntp.precompile`` resolved).
   """
 
   def __init__(self, config: RunConfig, *, make_plan: Callable[[frozenset], Plan], make_model,
@@ -162,7 +162,7 @@ class TrainingRun:
 
   def compile_ahead(self) -> None:
     """Schedule the background compile of every plan one failure or repair away from the
-    current one (``train.precompile``): its state moves, steps and sync."""
+    current one (``ntp_jax.train.precompile``): its state moves, steps and sync."""
     if self.precompiler is None:
       return
     jobs = []

@@ -240,7 +240,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
 
 def precompile_on(config: RunConfig, devices: Sequence[jax.Device], log) -> bool:
   """``ntp.precompile`` resolved: compile the plans one failure or repair away in the
-  background (``train.precompile``)? ``auto`` is on for GPU and TPU, off on CPU (the
+  background (``ntp_jax.train.precompile``)? ``auto`` is on for GPU and TPU, off on CPU (the
   compiling thread would take the cores the step runs on). One process only: across
   processes a failure takes the restart path. Logs the choice."""
   setting = config.ntp.precompile
