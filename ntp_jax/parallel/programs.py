@@ -305,7 +305,7 @@ def lower_plan(plan: Plan, make_model: Callable[[Any], nnx.Module],
   for replica_class, mesh, (graphdef, target) in zip(plan.classes, shapes.meshes, shapes.targets):
     if not holds_mine(mesh):
       continue
-    name = f"TP degree {replica_class.degree}, replicas {list(replica_class.replicas)}"
+    name = class_label(replica_class)
     if source is not None:
       moves += [(f"state move ({name})", None, lowered)
                 for lowered in lower_placement(target, mesh, source) or []]
@@ -327,6 +327,11 @@ def lower_plan(plan: Plan, make_model: Callable[[Any], nnx.Module],
   return moves + steps
 
 
+def class_label(replica_class: ReplicaClass) -> str:
+  """``TP degree 3, replicas [0]``: one replica class in logs and program descriptions."""
+  return f"TP degree {replica_class.degree}, replicas {list(replica_class.replicas)}"
+
+
 def cached_step(cache: ProgramCache, replica_class: ReplicaClass, graphdef: nnx.GraphDef,
                 params: Any, opt_state: Any, mesh: Mesh, settings: StepSettings, *,
                 classes: int, t_min: int, regroups: dict | None, record: bool = True
@@ -340,8 +345,7 @@ def cached_step(cache: ProgramCache, replica_class: ReplicaClass, graphdef: nnx.
   """
   fused = classes == 1
   key = (mesh, replica_class.layouts, fused, t_min, settings.key)
-  what = (f"class program (TP degree {replica_class.degree}, "
-          f"replicas {list(replica_class.replicas)})")
+  what = f"class program ({class_label(replica_class)})"
   if fused:
     return key, cache.get(key, what, lambda: FusedStep.build(graphdef, params, opt_state, mesh,
                                                              settings), record=record)

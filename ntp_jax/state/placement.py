@@ -393,11 +393,8 @@ def per_device_map(fn: Callable[[jax.Array], jax.Array], arrays: dict[Any, jax.A
   on first use, a compilation per shape and device); grouped by device it is
   one program per device.
   """
-  by_device: dict[jax.Device, list[Any]] = {}
-  for key, array in arrays.items():
-    by_device.setdefault(next(iter(array.devices())), []).append(key)
   out = {}
-  for keys in by_device.values():
+  for keys in _by_device(arrays):
     results = _mapped(fn)([arrays[k] for k in keys])
     out.update(zip(keys, results))
   return out
@@ -407,10 +404,16 @@ def lower_per_device_map(fn: Callable[[jax.Array], jax.Array],
                          arrays: dict[Any, jax.ShapeDtypeStruct]) -> list[jax.stages.Lowered]:
   """The programs ``per_device_map(fn, arrays)`` runs, lowered for abstract single-device
   arrays (``SingleDeviceSharding``), grouped as it groups them."""
+  return [_mapped(fn).lower([arrays[k] for k in keys]) for keys in _by_device(arrays)]
+
+
+def _by_device(arrays: dict[Any, Any]) -> list[list[Any]]:
+  """The keys of single-device arrays (or sharded ``ShapeDtypeStruct``s), grouped by device
+  in first-seen order: one ``_mapped`` program per group."""
   by_device: dict[jax.Device, list[Any]] = {}
   for key, array in arrays.items():
     by_device.setdefault(next(iter(array.sharding.device_set)), []).append(key)
-  return [_mapped(fn).lower([arrays[k] for k in keys]) for keys in by_device.values()]
+  return list(by_device.values())
 
 
 @functools.lru_cache(maxsize=8)

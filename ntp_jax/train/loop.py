@@ -24,6 +24,7 @@ from ntp_jax.parallel.plan import Plan, reachable_failed_sets
 from ntp_jax.parallel.programs import (
   ProgramCache,
   build_class_programs,
+  class_label,
   logical_state,
   lower_plan,
 )
@@ -149,8 +150,8 @@ class TrainingRun:
     compiled = self.cache.compiled_keys()
     self.compile_next = not set(self.job_step.keys) <= compiled
     if self.step:  # at start-up every program is new: say nothing
-      names = [f"class program (TP degree {p.replica_class.degree}, replicas "
-               f"{list(p.replica_class.replicas)})" for p in self.programs if p.key is not None]
+      names = [f"class program ({class_label(p.replica_class)})"
+               for p in self.programs if p.key is not None]
       names += ["cross-class sync"] if self.job_step.sync_key is not None else []
       for what, key in zip(names, self.job_step.keys):
         state = "compiled already" if key in compiled else "compiles with the next step"
@@ -261,8 +262,10 @@ class TrainingRun:
       live = False
     if live:
       moving = time.perf_counter()
-      self.log(f"  moving the state from DP peers onto the new plan (programs "
-               f"{'compiled ahead' if ahead else 'not compiled ahead: compiling them now'})")
+      # Without compiling ahead, the moves of a plan met before are cached: say nothing of it.
+      state = ("" if self.precompiler is None else " (programs compiled ahead)" if ahead
+               else " (programs not compiled ahead: compiling them now)")
+      self.log(f"  moving the state from DP peers onto the new plan{state}")
       poison(self.programs, dead)
       source = PeerSource(self.programs, dead, min_degree=plan.t_min)
       try:
