@@ -175,13 +175,15 @@ def test_layer_called_outside_shard_map_is_a_clear_error():
     layer(jnp.ones((1, 3)))
 
 
-@pytest.mark.parametrize("rows", [3, 4, 1])
-def test_attention_with_shared_kv_groups_on_rows(rows):
-  """8 KV groups on 3 slots as 2 each + 2 shared, computed on each slot's rows."""
+@pytest.mark.parametrize("rows,seq", [(3, 7), (4, 6), (1, 7), (2, 2)])
+def test_attention_with_shared_kv_groups_on_positions(rows, seq):
+  """8 KV groups on 3 slots as 2 each + 2 shared, computed on each slot's run of positions:
+  runs of 3 that divide the sequence (6), a last run moved back over its neighbour's (7),
+  and a slot with no position of its own (2)."""
   layout = make_layout(8, 3, share_remainder=True)
   assert layout.units == (2, 2, 2) and layout.shared_units == 2 and layout.block_units == 4
   layer = Attention(12, 16, 4, layout, rngs=nnx.Rngs(4))
-  check_layer(layer, (_x((rows, 7, 12)),), (P(),), P(),
+  check_layer(layer, (_x((rows, seq, 12)),), (P(),), P(),
               lambda p, x: ref.attention(x, p, 16, 8, 4, 500_000.0),
               fn=_attention_fn(4, 500_000.0), grad_args=(0,))
 
@@ -196,5 +198,22 @@ def test_shared_kv_groups_do_less_work_per_device_than_padding():
     graphdef, state = nnx.split(layer)
     run = tp_function(graphdef, state, _attention_fn(16, 1e4), mesh_for(layout), (P(),), P())
     flops[share] = compiled_flops(jax.jit(run).lower(state, _x((6, 32, 64))))
-  # 2 own + 2 shared on a third of the rows = 2.67 groups of work, against 3 padded.
+  # 2 own + 2 shared on a third of the positions = 2.67 groups of work, against 3 padded.
   assert flops[True] < 0.95 * flops[False], flops
+
+
+def test_a_shared_kv_group_costs_each_slot_one_degree_th_of_a_group():
+  """8 KV groups on 7 slots (1 each + 1 shared) on 3 rows, which do not divide by 7: the
+  shared group is split by position, so each device does 8/7 of a healthy device's work
+  (a split by rows would compute 7 rows for 3)."""
+  from ntp_jax.layers.shard import tp_function
+  from ntp_jax.parallel.cost import compiled_flops
+  flops = {}
+  for failed in ((), (3,)):
+    layout = make_layout(8, 8, failed=failed, share_remainder=True)
+    layer = Attention(64, 16, 16, layout, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    run = tp_function(graphdef, state, _attention_fn(16, 1e4), mesh_for(layout), (P(),), P())
+    loss = lambda s, x, run=run: jnp.sum(run(s, x))  # noqa: E731
+    flops[len(failed)] = compiled_flops(jax.jit(jax.grad(loss)).lower(state, _x((3, 28, 64))))
+  assert flops[1] / flops[0] == pytest.approx(8 / 7, rel=0.01), flops

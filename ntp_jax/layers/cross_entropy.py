@@ -1,8 +1,8 @@
 """Vocabulary-parallel softmax cross-entropy.
 
 The logits stay split by vocabulary: each slot holds ``[..., block]`` and only
-three scalars per token cross the TP group (the max, the sum of
-exponentials, the label's logit), so no device ever holds the full
+three scalars per token cross the TP group in two all-reduces (the max;
+the sum of exponentials with the label's logit), so no device ever holds the full
 ``[..., vocab]`` logits. Padded vocabulary entries are masked out of the
 max and the sum, so they receive no probability mass and no gradient.
 Source: Megatron-LM (arXiv:1909.08053) Sec. 3, "parallel cross-entropy".
@@ -39,11 +39,12 @@ def vocab_parallel_cross_entropy(logits_blk: jax.Array, labels: jax.Array,
   # The max only stabilises the exponent; it cancels exactly in the loss.
   local_max = jnp.max(logits, axis=-1)
   shift = tp_max(jnp.where(jnp.isfinite(local_max), local_max, jnp.finfo(jnp.float32).min))
-  sum_exp = tp_sum(jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1))
+  local_sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
   local_label = labels - local_offset(layout)
   mine = (local_label >= 0) & (local_label < local_size(layout))
   picked = jnp.take_along_axis(
       logits, jnp.clip(local_label, 0, layout.block - 1)[..., None], axis=-1)[..., 0]
   # Subtract the shift before adding the large terms: exact when the label holds the max.
-  label_shifted = tp_sum(jnp.where(mine, picked - shift, 0.0))
-  return jnp.log(sum_exp) - label_shifted
+  # The sum of exponentials and the label's logit cross the TP group in one all-reduce.
+  summed = tp_sum(jnp.stack([local_sum_exp, jnp.where(mine, picked - shift, 0.0)], axis=-1))
+  return jnp.log(summed[..., 0]) - summed[..., 1]

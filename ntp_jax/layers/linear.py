@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ntp_jax.layers.params import Initializer, local_block, tp_param
-from ntp_jax.sharding.collectives import tp_sum
+from ntp_jax.sharding.collectives import enter_tp, tp_sum
 from ntp_jax.sharding.layout import Layout
 
 default_kernel_init = nnx.initializers.normal(stddev=0.02)
@@ -42,7 +42,7 @@ class ColumnParallelLinear(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     # x: [..., d_in] (same on every slot); kernel: [d_in, block]
     w = local_block(self.kernel).astype(self.dtype)
-    return jnp.einsum("...d,df->...f", x.astype(self.dtype), w)
+    return jnp.einsum("...d,df->...f", enter_tp(x.astype(self.dtype)), w)
 
 
 class RowParallelLinear(nnx.Module):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ntp_jax.layers.linear import ColumnParallelLinear, RowParallelLinear
+from ntp_jax.sharding.collectives import enter_tp
 from ntp_jax.sharding.layout import Layout
 
 
@@ -29,11 +30,14 @@ class SwiGLU(nnx.Module):
 
   def __init__(self, d_model: int, layout: Layout, *, dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.dtype = dtype
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.gate = ColumnParallelLinear(d_model, layout, **kw)
     self.up = ColumnParallelLinear(d_model, layout, **kw)
     self.down = RowParallelLinear(layout, d_model, **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    # One entry for gate and up: one all-reduce of their summed input gradient.
+    x = enter_tp(x.astype(self.dtype))
     h_blk = jax.nn.silu(self.gate(x)) * self.up(x)  # [..., block]
     return self.down(h_blk)

@@ -85,10 +85,16 @@ def run_layers(layers: nnx.Module, x: jax.Array, *args, scan: bool = True,
   """
   check_remat(remat)
   graphdef, state = nnx.split(layers)
-  # Layer axis first everywhere, so scan (or indexing) yields one layer's local view.
-  per_layer = jax.tree.map(
-      lambda v: v.replace(jnp.moveaxis(v.get_value(), 1, 0)) if isinstance(v, TPParam) else v,
-      state, is_leaf=_is_variable)
+  # Layer axis first everywhere, so scan (or indexing) yields one layer's local view. The
+  # local slot axis has length one, so a reshape does it: a bitcast, where moving the axis
+  # would lay every block out again (and its gradient back) in each step.
+  def layer_first(v):
+    if not isinstance(v, TPParam):
+      return v
+    value = v.get_value()
+    return v.replace(value.reshape(value.shape[1], 1, *value.shape[2:]))
+
+  per_layer = jax.tree.map(layer_first, state, is_leaf=_is_variable)
 
   def apply(x, layer_state, *args):
     return nnx.merge(graphdef, layer_state)(x, *args)

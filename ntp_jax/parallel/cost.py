@@ -62,7 +62,7 @@ def own_shard_flops(cfg, replica_class, position: int, seq_len: int, cache: dict
   (``replica_class.degree`` slots, the class's batch share) whose every slot
   holds exactly this device's units of heads, MLP and vocabulary. A shared
   KV group counts for ``1 / degree`` of a group (each slot computes it on
-  that fraction of the rows); attention work is linear in groups, so the
+  that fraction of the positions); attention work is linear in groups, so the
   need is interpolated between the uniform steps at ``k`` and ``k + 1`` groups.
 
   Args:

@@ -42,6 +42,7 @@ from ntp_jax.parallel.sync import (
   unpack_buffers,
 )
 from ntp_jax.parallel.sync_leaf import sync_leaves
+from ntp_jax.sharding.collectives import sum_if_many
 from ntp_jax.sharding.mesh import DP, TP
 
 
@@ -155,13 +156,24 @@ def make_loss_and_grad(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
   replica-stacked like ``params``. Not jitted.
   """
   specs = replica_specs(params)
+  replicas = mesh.shape[DP]
 
   def body(params_local, batch):
     value, grads = _local_grads(graphdef, params_local, batch, global_tokens, loss)
-    # DP all-reduce inside the class: every replica holds the same layout.
-    return jax.lax.psum(value, DP), restack_local(jax.lax.psum(grads, DP))
+    # DP all-reduce inside the class (every replica holds the same layout); none for one.
+    grads = restack_local(sum_if_many(grads, DP, replicas))
+    return sum_if_many(value, DP, replicas)[None], grads
 
-  return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DP)), out_specs=(P(), specs))
+  # Summed over replicas, the loss is the same on each; a lone replica's is returned as is
+  # (its own axis, as it varies over 'dp' when no all-reduce ran).
+  loss_spec = P() if replicas > 1 else P(DP)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DP)), out_specs=(loss_spec, specs))
+
+  def loss_and_grad(params, batch):
+    value, grads = fn(params, batch)
+    return value[0], grads
+
+  return loss_and_grad
 
 
 def make_eval_loss(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
@@ -171,13 +183,17 @@ def make_eval_loss(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
   ``rows`` is int32 ``[n, seq_len + 1]``, replicated over the class mesh. Not jitted.
   """
   specs = replica_specs(params)
+  replicas = mesh.shape[DP]
 
   def body(params_local, rows):
     model = nnx.merge(graphdef, unstack_local(params_local))
+    value = loss(model, rows[:, :-1], rows[:, 1:])
     # Every replica computed the same value: the mean makes that visible to shard_map.
-    return jax.lax.pmean(loss(model, rows[:, :-1], rows[:, 1:]), DP)
+    return (jax.lax.pmean(value, DP) if replicas > 1 else value)[None]
 
-  return jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P())
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P()),
+                     out_specs=P() if replicas > 1 else P(DP))
+  return lambda params, rows: fn(params, rows)[0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,40 @@ def tp_sum(x: jax.Array) -> jax.Array:
   return jax.lax.psum(x, TP)
 
 
+def enter_tp(x: jax.Array) -> jax.Array:
+  """Mark a replicated activation as the input of a tensor-parallel region (identity).
+
+  Every product with a split weight that reads ``x`` contributes a partial
+  cotangent on each device. Entering the region once per block input makes
+  those partials add up locally, so the backward pass runs one all-reduce of
+  their sum (the transpose of this cast) instead of one per product: q, k and
+  v share one, gate and up share one (Megatron-LM's ``f`` operator,
+  arXiv:1909.08053 Sec. 3, reached through ``jax.lax.pcast``). A value
+  already varying over ``'tp'`` is returned unchanged.
+  """
+  if TP in _varying_axes(x):
+    return x
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, TP, to="varying")
+  return jax.lax.pvary(x, TP)  # the name before jax.lax.pcast
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+  """The mesh axes ``x`` varies over inside ``shard_map`` (its type's, across JAX versions)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def sum_if_many(x: jax.Array, axis: str, size: int) -> jax.Array:
+  """``psum`` over ``axis`` of ``size`` devices; ``x`` itself when there is one.
+
+  An all-reduce over a group of one moves nothing but still runs as a copy and
+  a synchronisation point, so callers that know the axis size skip it.
+  """
+  return jax.lax.psum(x, axis) if size > 1 else x
+
+
 def tp_max(x: jax.Array) -> jax.Array:
   """All-reduce (max) over the TP group; no gradient flows through it."""
   return jax.lax.pmax(jax.lax.stop_gradient(x), TP)

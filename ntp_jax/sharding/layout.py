@@ -34,7 +34,7 @@ class Layout:
     unit_size: elements of the sharded array dimension per shard unit.
     shared_units: the last ``shared_units`` units of the dimension, held by
       *every* slot after its own run. A layer computes them data-parallel
-      inside the TP group (each slot on its part of the batch rows) instead
+      inside the TP group (each slot on its part of the positions) instead
       of giving some slots one more unit than others, so no slot computes a
       padded unit. Default 0.
 
