@@ -5,8 +5,9 @@
 
 Plans on a 2 x 4 mesh (8 simulated CPU devices unless XLA_FLAGS says
 otherwise): healthy; NTP with one failed slot (replica 1 at TP degree 3);
-NTP with two failed slots (replica 1 at degree 2); DP-DROP (replica 1
-removed). For each: sequences and tokens per step, executed flops per live
+NTP with two failed slots (replica 1 at degree 2), both also with a
+constant batch (``ntp.rebalance=constant``: the healthy 16 sequences spread
+by degree); DP-DROP (replica 1 removed). For each: sequences and tokens per step, executed flops per live
 device from XLA's cost analysis (per class), the flops that device's own
 shard needs (the same step for a TP group whose every slot holds exactly
 that device's units; a shared KV group counts as ``1 / degree`` of a group),
@@ -41,19 +42,21 @@ from ntp_jax.parallel.programs import build_class_programs  # noqa: E402
 from ntp_jax.train.config import parse_failed  # noqa: E402
 from ntp_jax.train.optim import make_optimizer  # noqa: E402
 
-SCENARIOS = [
-    ("healthy", ""),
-    ("NTP, 1 slot failed", "1:2"),
-    ("NTP, 2 slots failed", "1:1,1:2"),
-    ("DP-DROP, 1 slot failed", "1:0,1:1,1:2,1:3"),
+SCENARIOS = [  # (name, ntp.failed, ntp.rebalance)
+    ("healthy", "", "proportional"),
+    ("NTP, 1 slot failed", "1:2", "proportional"),
+    ("NTP, 1 slot failed, constant batch", "1:2", "constant"),
+    ("NTP, 2 slots failed", "1:1,1:2", "proportional"),
+    ("NTP, 2 slots failed, constant batch", "1:1,1:2", "constant"),
+    ("DP-DROP, 1 slot failed", "1:0,1:1,1:2,1:3", "proportional"),
 ]
 TP, DP = 4, 2
 
 
-def build(cfg, config, failed, *, tp=TP, dp=DP, batch_size=None):
+def build(cfg, config, failed, *, tp=TP, dp=DP, batch_size=None, rebalance="proportional"):
   plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp,
                    failed=parse_failed(failed, dp, tp),
-                   batch_size=batch_size or config.train.batch_size)
+                   batch_size=batch_size or config.train.batch_size, rebalance=rebalance)
   optimizer = make_optimizer(config.train)
   programs = build_class_programs(
       plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(0)), optimizer,
@@ -62,8 +65,8 @@ def build(cfg, config, failed, *, tp=TP, dp=DP, batch_size=None):
   return plan, JobStep(plan, programs)
 
 
-def measure(cfg, config, name, failed, steps, cache):
-  plan, job = build(cfg, config, failed)
+def measure(cfg, config, name, failed, rebalance, steps, cache):
+  plan, job = build(cfg, config, failed, rebalance=rebalance)
   seq = config.train.seq_len
   rng = np.random.default_rng(0)
   times = []
@@ -103,8 +106,8 @@ def main():
   # Unrolled blocks: XLA's cost analysis counts a scanned loop body once.
   cfg = dataclasses.replace(GPTConfig.from_config(config.model), scan_layers=False)
   cache = {}
-  rows = [measure(cfg, config, name, failed, args.steps, cache)
-          for name, failed in progress(SCENARIOS, "scenarios")]
+  rows = [measure(cfg, config, name, failed, rebalance, args.steps, cache)
+          for name, failed, rebalance in progress(SCENARIOS, "scenarios")]
   base = rows[0]
   lines = [
       f"`python bench/ntp_vs_dropping.py --config {args.config} --steps {args.steps}` "
@@ -132,6 +135,11 @@ def main():
       "steps the job's throughput relative to healthy is the 'tokens per busiest-device flop' "
       "column. The CPU step time is measured on simulated devices that share this host's "
       "cores: it tracks the total work of all devices, not the time of parallel GPUs.",
+      "",
+      "A constant batch (`ntp.rebalance=constant`) keeps the healthy 16 sequences per step and "
+      "spreads them over the live replicas in proportion to their degree: the busiest device "
+      "works longer, by up to T/t, and the rounding of whole sequences costs the difference "
+      "between the two 'tokens per busiest-device flop' figures of each failure.",
   ]
   emit(lines, args.out)
 

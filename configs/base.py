@@ -40,7 +40,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.ntp = ml_collections.ConfigDict()
   c.ntp.failed = ""  # failed slots: "3", "3,5" (replica 0) or replica:slot pairs "0:2,1:5"
   c.ntp.slot_weights = ""  # per-slot relative speeds, "1,1,0.5,..." (empty: equal)
-  c.ntp.rebalance = "proportional"  # batch shares: proportional (~ TP degree) or equal
+  # Batch shares: proportional (~ TP degree; the global batch shrinks with failures), constant
+  # (the healthy batch spread ~ TP degree: failures leave every step's sequences unchanged),
+  # or equal
+  c.ntp.rebalance = "proportional"
   c.ntp.fail_at = ""  # failures while training: "STEP@REPLICA:SLOT", "20.mid@0:3" inside the step
   c.ntp.repair_at = ""  # repairs while training: "STEP@REPLICA:SLOT"
   c.ntp.recovery = "live"  # live (state from DP peers) or restart (last checkpoint)
@@ -54,6 +57,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.steps = 200  # optimizer steps
   c.train.seed = 0  # parameter init and data order
   c.train.batch_size = 16  # sequences per step of the healthy job (see ntp.rebalance)
+  # Micro-batches of a healthy replica's share (gradient accumulation): lower activation memory,
+  # the same step. Other replicas run as many as keep theirs no larger.
+  c.train.microbatches = 1
   c.train.seq_len = 128  # tokens per sequence
   c.train.lr = 3e-3  # peak learning rate
   c.train.min_lr_ratio = 0.1  # final learning rate / peak (cosine decay)

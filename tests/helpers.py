@@ -51,12 +51,12 @@ SEQ = 6
 
 
 def run_job(*, tp, dp, failed="", rebalance="equal", slot_weights="", batch_size=4, steps=3,
-            optimizer=None, clip_norm=1.0, cfg=SMALL, seed=0):
+            optimizer=None, clip_norm=1.0, cfg=SMALL, seed=0, microbatches=1):
   """Returns (losses, plan, [logical params of every live replica], [opt states])."""
   plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp,
                    failed=parse_failed(failed, dp, tp),
                    slot_weights=parse_weights(slot_weights, tp), batch_size=batch_size,
-                   rebalance=rebalance)
+                   rebalance=rebalance, microbatches=microbatches)
   # SGD with momentum and decoupled weight decay keeps parity checks tight: Adam divides
   # each gradient entry by its own magnitude, which amplifies rounding in near-zero entries.
   optimizer = optimizer or optax.chain(optax.add_decayed_weights(0.1),

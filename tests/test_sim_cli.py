@@ -59,8 +59,12 @@ def _usage_error(argv, capsys) -> str:
 def test_plan_table_lists_each_failed_domain(capsys):
   main(["plan", *SMALL, "--failed-per-domain", "3=1,17=2", "--policies", "ntp"])
   lines = capsys.readouterr().out.splitlines()
-  assert lines[-1].split() == ["ntp", "0", "0", "1", "3", "17", "30", "30", "30", "30", "30",
+  assert lines[-2].split() == ["ntp", "0", "0", "1", "3", "17", "30", "30", "30", "30", "30",
                                "0.9375", "1.0000", "1.0000", "1.0000", "1.0000", "1.0000"]
+  # Below the table: the step under each batch policy (capacity from the replicas' shares).
+  assert lines[-1].startswith("# ntp: proportional batch: ")
+  assert "of the healthy tokens per step in the healthy step time; constant batch: every " \
+         "token, step time " in lines[-1]
 
 
 @pytest.mark.parametrize("value, message", [

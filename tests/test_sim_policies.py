@@ -126,3 +126,15 @@ def test_rejects_bad_counts_and_settings():
     PolicySettings(power_limit=-0.1)
   with pytest.raises(ValueError):
     Policy("drop-everything")
+
+
+def test_batch_policies_trade_tokens_per_step_for_step_time():
+  from ntp_jax.sim.batch_policy import step_shape
+  tokens, time = step_shape(np.array([4.0, 3.5, 0.0, 5.0]), 4, "proportional")
+  np.testing.assert_allclose(tokens, [1.0, 0.875, 0.0, 1.0])
+  np.testing.assert_allclose(time, 1.0)
+  tokens, time = step_shape(np.array([4.0, 3.5, 0.0, 5.0]), 4, "constant")
+  np.testing.assert_allclose(tokens, 1.0)
+  np.testing.assert_allclose(time, [1.0, 4 / 3.5, np.inf, 1.0])
+  with pytest.raises(ValueError, match="batch policy"):
+    step_shape(1.0, 4, "equal")

@@ -72,4 +72,10 @@ SLOW = {
     # independence of the failed slot and the config errors stay fast).
     "tests/test_precompile.py::test_a_recovery_compiled_ahead_compiles_nothing_and_changes_no_loss",
     "tests/test_precompile.py::test_the_restart_path_compiles_no_step_ahead_of_it",
+    # Micro-batches: the single-class program and the two training runs against one pass
+    # (the two-class program, the constant batch through a failure and a repair and through
+    # a dropped replica stay fast).
+    "tests/test_accumulate.py::test_micro_batched_steps_equal_single_pass_steps[4-1-2]",
+    "tests/test_constant_batch.py::test_four_micro_batches_train_as_one_pass[mesh0]",
+    "tests/test_constant_batch.py::test_four_micro_batches_train_as_one_pass[mesh1]",
 }

@@ -31,7 +31,7 @@ def micro_batches(rows: int, count: int) -> list[tuple[int, int]]:
 
 
 def accumulate(value_and_grad: Callable[[Any, jax.Array], tuple[jax.Array, Any]], params: Any,
-               batch: jax.Array, count: int) -> tuple[jax.Array, Any]:
+               batch: jax.Array, count: int, scan: bool = True) -> tuple[jax.Array, Any]:
   """``value_and_grad(params, rows)`` summed over ``count`` micro-batches of ``batch``.
 
   Args:
@@ -41,25 +41,33 @@ def accumulate(value_and_grad: Callable[[Any, jax.Array], tuple[jax.Array, Any]]
     params: the parameters (any pytree).
     batch: int32 ``[rows, seq_len + 1]``, the replica's share.
     count: micro-batches (1: one pass, no loop).
+    scan: run each size under ``jax.lax.scan``; False unrolls a Python loop (for
+      XLA's cost analysis, which counts a loop body once).
 
   Returns:
     ``(loss, grads)`` summed over the micro-batches, in ``params``' structure.
   """
   if count == 1:
     return value_and_grad(params, batch)
-  total = None
+  # Gradients are carried from zeros of the parameters' types; losses leave each step as an
+  # output (their types, e.g. varying over 'dp' or not, need no initial value).
+  grads = jax.tree.map(jnp.zeros_like, params)
+  losses = []
   start = 0
   for n, size in micro_batches(batch.shape[0], count):
     chunks = batch[start:start + n * size].reshape(n, size, *batch.shape[1:])
     start += n * size
+    if not scan:
+      for i in range(n):
+        value, more = value_and_grad(params, chunks[i])
+        grads = jax.tree.map(jnp.add, grads, more)
+        losses.append(value[None])
+      continue
 
     def body(carry, rows):
-      value, grads = value_and_grad(params, rows)
-      return jax.tree.map(jnp.add, carry, (value, grads)), None
+      value, more = value_and_grad(params, rows)
+      return jax.tree.map(jnp.add, carry, more), value
 
-    if total is None:  # the first micro-batch starts the sums (their types, 'tp' varying or not)
-      total = value_and_grad(params, chunks[0])
-      chunks = chunks[1:]
-    if chunks.shape[0]:
-      total = jax.lax.scan(body, total, chunks)[0]
-  return total
+    grads, values = jax.lax.scan(body, grads, chunks)
+    losses.append(values)
+  return jnp.sum(jnp.concatenate(losses)), grads

@@ -92,16 +92,17 @@ class JobStep:
 
     Every replica holds the same parameters, so one class evaluates (one per
     process group in a multi-process job, ``covering_classes``): each of its
-    replicas computes every row, in chunks of the class's training batch
-    share (so activations fit as in a step; a shorter last chunk compiles
-    once more).
+    replicas computes every row, in chunks of the class's training
+    micro-batch (so activations fit as in a step; a shorter last chunk
+    compiles once more).
     """
     value = None
     for i in covering_classes(self.programs):
       if not self.local[i]:
         continue
       program = self.programs[i]
-      rows = program.replica_class.batch_share
+      # A training micro-batch: at most the healthy one's rows.
+      rows = -(-program.replica_class.batch_share // program.replica_class.microbatches)
       replicated = NamedSharding(program.mesh, P())
       total = 0.0
       for start in range(0, len(sequences), rows):

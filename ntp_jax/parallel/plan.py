@@ -8,8 +8,13 @@ form a *replica class*, which runs one compiled program over its own
 sub-mesh. Batch shares keep every live device equally
 busy: ``proportional`` gives a replica at degree ``t`` about ``t/T`` of a
 healthy replica's sequences (``t / t_max`` of the fastest replica's share when
-no replica is healthy, so a lone reduced replica keeps the full batch).
-Source: Arfeen et al., arXiv:2504.06095, Sec. 4.
+no replica is healthy, so a lone reduced replica keeps the full batch), and
+the global batch shrinks with the live devices; ``constant`` spreads the
+healthy job's whole batch over the live replicas in proportion to their
+degree, so failures leave the sequences of every step unchanged; ``equal``
+gives every live replica the healthy share. A share runs as micro-batches
+no larger than the healthy job's (``train.microbatches``), their gradients
+summed. Source: Arfeen et al., arXiv:2504.06095, Sec. 4.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 from ntp_jax.errors import ConfigError
 from ntp_jax.sharding.layout import live_slots as live_slots_of
 
-REBALANCE = ("proportional", "equal")  # batch-share policies
+REBALANCE = ("proportional", "equal", "constant")  # batch-share policies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +56,7 @@ class ReplicaClass:
   replicas: tuple[int, ...]
   layouts: Any  # the model's layouts for these live slots (e.g. models.gpt.ModelLayouts)
   batch_share: int  # sequences per replica per step
+  microbatches: int = 1  # micro-batches each replica's share runs as (gradients summed)
 
   @property
   def degree(self) -> int:
@@ -77,7 +83,9 @@ class Plan:
     """JSON-ready description (stored beside checkpoints): mesh, live slots, degrees."""
     return {"tp": self.tp, "dp": self.dp, "rebalance": self.rebalance,
             "replicas": [{"replica": r.replica, "live_slots": list(r.live_slots),
-                          "batch_share": r.batch_share} for r in self.replicas],
+                          "batch_share": r.batch_share,
+                          "microbatches": self.classes[r.class_index].microbatches}
+                         for r in self.replicas],
             "dropped": list(self.dropped), "global_batch": self.global_batch}
 
   @property
@@ -105,7 +113,8 @@ class Plan:
       state = "healthy" if r.degree == self.tp else "reduced"
       lines.append(f"  replica {r.replica}: TP degree {r.degree} ({state}), live slots "
                    f"{','.join(map(str, r.live_slots))}, class {r.class_index}, "
-                   f"batch share {r.batch_share}")
+                   f"batch share {r.batch_share}"
+                   + micro_batch_text(r.batch_share, self.classes[r.class_index].microbatches))
     for d in self.dropped:
       lines.append(f"  replica {d}: dropped (every slot failed)")
     if len(self.replicas) > 1:
@@ -128,7 +137,7 @@ class Plan:
 def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None], Any], *,
               tp: int, dp: int, failed: Collection[tuple[int, int]] = (),
               slot_weights: Sequence[float] | None = None, batch_size: int,
-              rebalance: str = "proportional") -> Plan:
+              rebalance: str = "proportional", microbatches: int = 1) -> Plan:
   """Plan a job of ``dp`` replicas x ``tp`` slots after the given failures.
 
   Args:
@@ -139,7 +148,11 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
       ``train.config.parse_failed``, plus the events so far).
     slot_weights: one relative speed per slot (``ntp.slot_weights``), or None: equal.
     batch_size: ``train.batch_size``, sequences per step of the healthy job.
-    rebalance: ``ntp.rebalance``: ``proportional`` (share ~ degree / tp) or ``equal``.
+    rebalance: ``ntp.rebalance``: ``proportional`` (share ~ degree / tp),
+      ``equal``, or ``constant`` (``batch_size`` over the live replicas ~ degree).
+    microbatches: ``train.microbatches``: micro-batches of a healthy replica's
+      share. Every class runs as many micro-batches as keep its own no larger
+      than the healthy one (``ceil(share / healthy micro-batch)``).
 
   The settings themselves are checked once, in ``train.config``; this checks
   what depends on the failure state, which changes while a job runs.
@@ -158,6 +171,9 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
     raise ValueError(f"make_plan: rebalance {rebalance!r} is not one of {', '.join(REBALANCE)}")
   if batch_size % dp:
     raise ValueError(f"make_plan: batch_size {batch_size} does not split over {dp} replicas")
+  if microbatches < 1 or (batch_size // dp) % microbatches:
+    raise ValueError(f"make_plan: a replica's {batch_size // dp} sequences do not split into "
+                     f"{microbatches} micro-batches")
   if any(not (0 <= r < dp and 0 <= s < tp) for r, s in failed):
     raise ValueError(f"make_plan: failed {sorted(failed)} holds a pair outside {dp} x {tp}")
   if slot_weights is not None and len(slot_weights) != tp:
@@ -192,23 +208,59 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
       return healthy_share
     return max(1, (healthy_share * degree + top_degree // 2) // top_degree)
 
-  # Replicas whose layouts are equal (same unit split; live slot ids do not
-  # count) share a class and so one compiled program. Highest degree first.
+  if rebalance == "constant":
+    shares = constant_shares(batch_size, {r: len(s) for r, s in live_by_replica.items()})
+  else:
+    shares = {r: share(len(s)) for r, s in live_by_replica.items()}
+  micro_rows = healthy_share // microbatches  # a healthy replica's micro-batch
+
+  # Replicas whose layouts and shares are equal (same unit split; live slot ids do
+  # not count) share a class and so one compiled program. Highest degree first.
   by_layouts: dict[Any, list[int]] = {}
   for r, slots in sorted(live_by_replica.items(), key=lambda kv: (-len(kv[1]), kv[0])):
     failed_slots = tuple(s for s in range(tp) if s not in slots)
-    by_layouts.setdefault(make_layouts(tp, failed_slots, weights), []).append(r)
+    by_layouts.setdefault((make_layouts(tp, failed_slots, weights), shares[r]), []).append(r)
   classes = []
-  for index, (layouts, members) in enumerate(by_layouts.items()):
+  for index, ((layouts, rows), members) in enumerate(by_layouts.items()):
     slots = tuple(live_by_replica[r] for r in members)
     classes.append(ReplicaClass(index=index, live_slots=slots, replicas=tuple(members),
-                                layouts=layouts, batch_share=share(len(slots[0]))))
+                                layouts=layouts, batch_share=rows,
+                                microbatches=-(-rows // micro_rows)))
   replicas = tuple(
       ReplicaPlan(replica=r, live_slots=slots, batch_share=c.batch_share, class_index=c.index)
       for c in classes for r, slots in zip(c.replicas, c.live_slots))
   return Plan(tp=tp, dp=dp, replicas=tuple(sorted(replicas, key=lambda r: r.replica)),
               dropped=tuple(dropped), classes=tuple(classes), rebalance=rebalance,
               logical_layouts=make_layouts(1, (), None))
+
+
+def constant_shares(batch_size: int, degrees: dict[int, int]) -> dict[int, int]:
+  """``batch_size`` sequences over replicas in proportion to their degree, at least one each.
+
+  Largest remainders (ties to the lower replica index), so the shares sum to
+  ``batch_size`` exactly: a failure or a dropped replica leaves the step's
+  sequences unchanged.
+  """
+  total = sum(degrees.values())
+  shares = {r: batch_size * d // total for r, d in degrees.items()}
+  by_remainder = sorted(degrees, key=lambda r: (-(batch_size * degrees[r] % total), r))
+  for r in by_remainder[:batch_size - sum(shares.values())]:
+    shares[r] += 1
+  for r in sorted(shares, key=lambda r: shares[r]):  # no replica without a sequence
+    if shares[r] == 0:
+      donor = max(shares, key=lambda q: (shares[q], -q))
+      shares[donor] -= 1
+      shares[r] = 1
+  return shares
+
+
+def micro_batch_text(share: int, microbatches: int) -> str:
+  """``" (2 micro-batches of 5, 4 rows)"``; empty for one."""
+  if microbatches == 1:
+    return ""
+  q, r = divmod(share, microbatches)
+  sizes = f"{q + 1} and {q} rows" if r else f"{q} row{'s' if q > 1 else ''}"
+  return f" ({microbatches} micro-batches of {sizes})"
 
 
 def format_failed(failed: Collection[tuple[int, int]]) -> str:

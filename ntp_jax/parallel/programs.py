@@ -340,18 +340,21 @@ def cached_step(cache: ProgramCache, replica_class: ReplicaClass, graphdef: nnx.
   class, split with several.
 
   Keyed by the mesh (devices), the class's layouts, ``t_min``, the step
-  settings' ``key`` and (split) the regroups: everything the compiled
-  programs depend on.
+  settings' ``key``, the batch share and its micro-batches, and (split) the
+  regroups: everything the compiled programs depend on.
   """
   fused = classes == 1
-  key = (mesh, replica_class.layouts, fused, t_min, settings.key)
+  # The share (the batch's shape) and its micro-batches decide the compiled program too.
+  key = (mesh, replica_class.layouts, fused, t_min, settings.key, replica_class.batch_share,
+         replica_class.microbatches)
   what = f"class program ({class_label(replica_class)})"
+  micro = dict(microbatches=replica_class.microbatches)
   if fused:
     return key, cache.get(key, what, lambda: FusedStep.build(graphdef, params, opt_state, mesh,
-                                                             settings), record=record)
+                                                             settings, **micro), record=record)
   key += (tuple(sorted(regroups.items())),)
   return key, cache.get(key, what, lambda: SplitStep.build(graphdef, params, opt_state, mesh,
-                                                           settings, t_min, regroups),
+                                                           settings, t_min, regroups, **micro),
                         record=record)
 
 

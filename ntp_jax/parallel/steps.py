@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from ntp_jax.layers.params import sum_shared_grads
 from ntp_jax.layers.shard import replica_specs, restack_local, spec_shardings, unstack_local
+from ntp_jax.parallel.accumulate import accumulate
 from ntp_jax.parallel.grad_norm import clip_by_logical_norm, logical_norm
 from ntp_jax.parallel.regroup import Regroup
 from ntp_jax.parallel.sync import (
@@ -114,15 +115,18 @@ class ClassStep(Protocol):
     """Every program of one step, lowered for these (maybe abstract) arguments."""
 
 
-def _local_grads(graphdef, params_local, batch, global_tokens, loss):
-  """Inside the body: this replica's loss share and gradients on its local blocks."""
+def _local_grads(graphdef, params_local, batch, global_tokens, loss, microbatches=1,
+                 scan_microbatches=True):
+  """Inside the body: this replica's loss share and gradients on its local blocks, its rows
+  run as ``microbatches`` micro-batches (``parallel.accumulate``)."""
   params = unstack_local(params_local)
 
-  def loss_of(p):
-    # batch: int32 [local sequences, seq + 1]
-    return loss(nnx.merge(graphdef, p), batch[:, :-1], batch[:, 1:]) / global_tokens
+  def loss_of(p, rows):
+    # rows: int32 [sequences, seq + 1]
+    return loss(nnx.merge(graphdef, p), rows[:, :-1], rows[:, 1:]) / global_tokens
 
-  loss, grads = jax.value_and_grad(loss_of)(params)
+  loss, grads = accumulate(jax.value_and_grad(loss_of), params, batch, microbatches,
+                           scan=scan_microbatches)
   return loss, sum_shared_grads(grads)
 
 
@@ -140,7 +144,8 @@ def _shardings_of(tree: Any) -> Any:
 
 
 def make_loss_and_grad(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
-                       global_tokens: int, loss: Callable[..., Any] = default_loss
+                       global_tokens: int, loss: Callable[..., Any] = default_loss,
+                       microbatches: int = 1, scan_microbatches: bool = True
                        ) -> Callable[..., Any]:
   """``f(params, batch) -> (loss, grads)`` for one class, all-reduced over its replicas.
 
@@ -150,6 +155,9 @@ def make_loss_and_grad(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
     global_tokens: predicted tokens in the whole step, over every class.
     loss: ``(module, tokens, targets) -> f32`` sum over the local rows
       (``model_spec.ModelSpec.loss``; default ``module.loss_sum``).
+    microbatches: micro-batches each replica's rows run as, their gradients
+      summed (``parallel.accumulate``); scan_microbatches: under ``lax.scan``
+      (False: unrolled, for cost analysis).
 
   The function takes ``batch: int32 [class sequences, seq_len + 1]`` and
   returns the class's share of the mean loss (f32 scalar) and its gradient,
@@ -159,7 +167,8 @@ def make_loss_and_grad(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
   replicas = mesh.shape[DP]
 
   def body(params_local, batch):
-    value, grads = _local_grads(graphdef, params_local, batch, global_tokens, loss)
+    value, grads = _local_grads(graphdef, params_local, batch, global_tokens, loss,
+                                microbatches, scan_microbatches)
     # DP all-reduce inside the class (every replica holds the same layout); none for one.
     grads = restack_local(sum_if_many(grads, DP, replicas))
     return sum_if_many(value, DP, replicas)[None], grads
@@ -213,11 +222,14 @@ class FusedStep:
 
   @classmethod
   def build(cls, graphdef: nnx.GraphDef, params: Any, opt_state: Any, mesh: Mesh,
-            settings: StepSettings) -> FusedStep:
+            settings: StepSettings, *, microbatches: int = 1,
+            scan_microbatches: bool = True) -> FusedStep:
     """The step of a class over ``mesh`` whose state is ``params`` and ``opt_state``
-    (arrays or ``ShapeDtypeStruct``s carrying the class shardings)."""
+    (arrays or ``ShapeDtypeStruct``s carrying the class shardings); each replica's rows
+    run as ``microbatches`` micro-batches (``make_loss_and_grad``)."""
     specs = replica_specs(params)
-    grads_fn = make_loss_and_grad(graphdef, params, mesh, settings.global_tokens, settings.loss)
+    grads_fn = make_loss_and_grad(graphdef, params, mesh, settings.global_tokens, settings.loss,
+                                  microbatches, scan_microbatches)
     update = _update(settings.optimizer, settings.clip_norm, mesh.devices.shape[0])
 
     def step(params, opt_state, batch):
@@ -270,7 +282,8 @@ class SplitStep:
   @classmethod
   def build(cls, graphdef: nnx.GraphDef, params: Any, opt_state: Any, mesh: Mesh,
             settings: StepSettings, t_min: int,
-            regroups: dict[str, Regroup] | None = None) -> SplitStep:
+            regroups: dict[str, Regroup] | None = None, *, microbatches: int = 1,
+            scan_microbatches: bool = True) -> SplitStep:
     """As ``FusedStep.build``; ``t_min``: the job's smallest TP degree; ``regroups``:
     the sync positions of each split parameter, the same for every class
     (``sync.regroup_plan``; default near-equal runs)."""
@@ -281,7 +294,7 @@ class SplitStep:
 
     def grad_body(params_local, batch):
       loss, grads = _local_grads(graphdef, params_local, batch, settings.global_tokens,
-                                 settings.loss)
+                                 settings.loss, microbatches, scan_microbatches)
       buffers = pack_buffers(to_sync_blocks(grads, leaves), loss)
       # Every slot's buffer is its own: stack them over 'dp' and 'tp'.
       return {k: v[None] for k, v in buffers.items()}

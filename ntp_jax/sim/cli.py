@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ntp_jax.sim import plots, report
+from ntp_jax.sim.batch_policy import BATCH_POLICIES, step_shape
 from ntp_jax.sim.cluster import ClusterSpec
 from ntp_jax.sim.degrees import DegreeRule
 from ntp_jax.sim.failures import LLAMA3_FAILURES_PER_GPU_HOUR, FailureModel
@@ -313,10 +314,17 @@ def _run_plan(spec: ClusterSpec, args) -> None:
                        f"which has only {spec.tp} (--tp)")
   settings = _settings(args)
   rows = []
+  footer = []
   for policy in args.policies:
     plans = plan_replicas(args.failed_per_domain, spec.tp, spec.pp, args.power_limit, policy,
                           spec.num_domains, settings.power_curve, settings.degree_rule,
                           settings.pack)
+    capacity = sum(p.batch_share for p in plans)
+    shapes = {b: step_shape(capacity, spec.num_replicas, b) for b in BATCH_POLICIES}
+    footer.append(
+        f"# {Policy(policy).value}: proportional batch: {float(shapes['proportional'][0]):.4f} "
+        f"of the healthy tokens per step in the healthy step time; constant batch: every "
+        f"token, step time {float(shapes['constant'][1]):.4f}x")
     for p in plans:
       if p.degraded or args.all:
         rows.append({"policy": Policy(policy).value, "replica": p.replica,
@@ -328,7 +336,7 @@ def _run_plan(spec: ClusterSpec, args) -> None:
   columns = {"policy": report.text, "replica": report.text, "domains": report.text,
              "stage_degrees": report.text, "degree": report.text, "batch_share": report.ratio,
              "stage_boosts": report.text, "boost": report.ratio}
-  _emit(rows, columns, args, f"# replica plan: {_title(spec, args)}")
+  _emit(rows, columns, args, f"# replica plan: {_title(spec, args)}", "\n".join(footer))
   if args.out:
     report.write_rows(args.out, "plan", rows, columns)
 

@@ -71,6 +71,7 @@ class TrainConfig:
   seed: int
   batch_size: int  # sequences per step of the healthy job
   seq_len: int
+  microbatches: int  # micro-batches of a healthy replica's share (gradients summed)
   lr: float
   min_lr_ratio: float
   warmup_steps: int
@@ -160,6 +161,10 @@ class RunConfig:
     if train.batch_size % mesh.dp:
       raise ConfigError(f"train.batch_size: {train.batch_size} sequences do not split evenly "
                         f"over mesh.dp={mesh.dp} replicas")
+    if (train.batch_size // mesh.dp) % train.microbatches:
+      raise ConfigError(f"train.microbatches: a replica's {train.batch_size // mesh.dp} "
+                        f"sequences (train.batch_size / mesh.dp) do not split into "
+                        f"{train.microbatches} equal micro-batches")
     workdir = reader.str("workdir")
     if not workdir:
       raise ConfigError("workdir: must not be empty")
@@ -277,6 +282,7 @@ def _train_section(reader: _Reader) -> TrainConfig:
   train = TrainConfig(
       steps=reader.int("train.steps", low=1), seed=reader.int("train.seed"),
       batch_size=reader.int("train.batch_size", low=1), seq_len=reader.int("train.seq_len", low=1),
+      microbatches=reader.int("train.microbatches", low=1),
       lr=reader.float("train.lr", low=0.0),
       min_lr_ratio=reader.float("train.min_lr_ratio", low=0.0),
       warmup_steps=reader.int("train.warmup_steps", low=0),

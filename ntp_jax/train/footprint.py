@@ -101,8 +101,8 @@ def abstract_program(plan: Plan, replica_class: ReplicaClass,
 
 def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
                      optimizer: optax.GradientTransformation, clip_norm: float, seq_len: int,
-                     devices: Sequence[jax.Device], loss: Callable[..., Any] = default_loss
-                     ) -> list[ClassFootprint]:
+                     devices: Sequence[jax.Device], loss: Callable[..., Any] = default_loss,
+                     unrolled: bool = False) -> list[ClassFootprint]:
   """Compile every class's step for abstract arguments and measure one device of each.
 
   Args:
@@ -112,6 +112,8 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
     seq_len: tokens per sequence.
     devices: the job's devices (the meshes are built on them; nothing is
       placed there).
+    unrolled: run micro-batches in a Python loop, not under ``lax.scan``, so
+      that the flops count every one (pass with an unrolled model).
 
   Returns:
     One ``ClassFootprint`` per class; ``flops`` is XLA's cost analysis of the
@@ -126,7 +128,9 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
                                       devices)
     state = (program.graphdef, program.params, program.opt_state, program.mesh, settings)
     # Split halves with near-equal sync runs (regroups=None), not the job's regroup_plan.
-    step = FusedStep.build(*state) if len(plan.classes) == 1 else SplitStep.build(*state, t_min)
+    micro = dict(microbatches=replica_class.microbatches, scan_microbatches=not unrolled)
+    step = (FusedStep.build(*state, **micro) if len(plan.classes) == 1
+            else SplitStep.build(*state, t_min, **micro))
     compiled = [lowered.compile() for lowered in step.lower(program.params, program.opt_state,
                                                             batch)]
     memory = [c.memory_analysis() for c in compiled]

@@ -54,7 +54,8 @@ def footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer,
 
   def flops_at(n_layers):
     small = model.unrolled(n_layers)
-    return [f.flops for f in class_footprints(plan, small.make, *args, loss=small.loss)]
+    return [f.flops for f in class_footprints(plan, small.make, *args, loss=small.loss,
+                                              unrolled=True)]
 
   flops = per_device_flops(flops_at, model.n_layers)
   return [dataclasses.replace(f, flops=x) for f, x in zip(footprints, flops)]

@@ -258,7 +258,7 @@ def plan_for(config: RunConfig, model: ModelSpec, failed: frozenset[tuple[int, i
   """The plan of ``config``'s mesh, weights, batch and policy with ``failed`` slots."""
   return make_plan(model.layouts, tp=config.mesh.tp, dp=config.mesh.dp, failed=failed,
                    slot_weights=config.ntp.slot_weights, batch_size=config.train.batch_size,
-                   rebalance=config.ntp.rebalance)
+                   rebalance=config.ntp.rebalance, microbatches=config.train.microbatches)
 
 
 def default_hooks(config: RunConfig, run_log, writer: MetricsWriter, dataset,
