@@ -6,9 +6,10 @@
 Plans on a 2 x 4 mesh (8 simulated CPU devices unless XLA_FLAGS says
 otherwise): healthy; NTP with one failed slot (replica 1 at TP degree 3);
 NTP with two failed slots (replica 1 at degree 2), both also with a
-constant batch (``ntp.rebalance=constant``: the healthy 16 sequences spread
-by degree); DP-DROP (replica 1 removed). For each: sequences and tokens per step, executed flops per live
-device from XLA's cost analysis (per class), the flops that device's own
+constant batch (``ntp.rebalance=constant``: the healthy 16 sequences
+spread by degree); DP-DROP (replica 1 removed). For each: sequences and
+tokens per step, executed flops per live device from XLA's cost analysis
+(per class), the flops that device's own
 shard needs (the same step for a TP group whose every slot holds exactly
 that device's units; a shared KV group counts as ``1 / degree`` of a group),
 and the median step time. Writes a markdown table.

@@ -33,12 +33,12 @@ from common import emit, load_config, progress, simulate_cpu_devices  # noqa: E4
 
 simulate_cpu_devices(8)
 
+import gspmd_gpt  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-import gspmd_gpt  # noqa: E402
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.layers.shard import replica_view, to_logical  # noqa: E402
 from ntp_jax.parallel.cost import flops_of  # noqa: E402
@@ -130,7 +130,8 @@ def time_pairs(cfg, config, tp, pairs):
   mesh = gspmd_mesh(tp)
   logical = to_logical(replica_view(job.programs[0].params))
   shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s),
-                           gspmd_gpt.param_specs(), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+                           gspmd_gpt.param_specs(),
+                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   params = jax.device_put(gspmd_params_from(logical, cfg), shardings)
   opt_state = gspmd_gpt.init_optimizer(config.train, params, mesh)
   tokens = config.train.batch_size * config.train.seq_len
@@ -150,8 +151,8 @@ def time_pairs(cfg, config, tp, pairs):
   for i in progress(range(pairs), "step pairs"):
     batch = batches[i % 2]
     first, second = (job, gspmd) if i % 2 == 0 else (gspmd, job)
-    a = timed(lambda: first(batch))
-    b = timed(lambda: second(batch))
+    a = timed(functools.partial(first, batch))
+    b = timed(functools.partial(second, batch))
     t_ntp, t_gspmd = (a, b) if i % 2 == 0 else (b, a)
     ntp_s.append(t_ntp)
     gspmd_s.append(t_gspmd)

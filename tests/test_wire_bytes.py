@@ -21,16 +21,19 @@ from ntp_jax.parallel.steps import FusedStep, StepSettings
 from ntp_jax.sharding.layout import make_layout
 from ntp_jax.train.footprint import abstract_program
 
-HLO = """
-  %all-reduce.1 = f32[16,256,512]{2,1,0} all-reduce(f32[16,256,512]{2,1,0} %x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
-  %psum.2 = (f32[4]{0}, bf16[2,3]{1,0}) all-reduce(f32[4]{0} %a, bf16[2,3]{1,0} %b), replica_groups={{0},{1}}, to_apply=%add
-  %ars = f32[8]{0} all-reduce-start(f32[8]{0} %c), replica_groups=[2,4]<=[8], to_apply=%add
-  %ard = f32[8]{0} all-reduce-done(f32[8]{0} %ars)
-  %ag = f32[2,6]{1,0} all-gather(f32[2,3]{1,0} %d), replica_groups=[4,2]<=[8], dimensions={1}
-  %cp = s32[5]{0} collective-permute(s32[5]{0} %e), source_target_pairs={{0,1},{1,0}}
-  %cp.self = s32[5]{0} collective-permute(s32[5]{0} %e), source_target_pairs={{0,0},{1,1}}
-  %dot = f32[4,4]{1,0} dot(f32[4,4]{1,0} %p, f32[4,4]{1,0} %q)
-"""
+# Lines of an optimized HLO module, in the forms XLA prints (CPU, and GPU's asynchronous start).
+HLO = "\n".join([
+    "  %all-reduce.1 = f32[16,256,512]{2,1,0} all-reduce(f32[16,256,512]{2,1,0} %x), "
+    "channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add",
+    "  %psum.2 = (f32[4]{0}, bf16[2,3]{1,0}) all-reduce(f32[4]{0} %a, bf16[2,3]{1,0} %b), "
+    "replica_groups={{0},{1}}, to_apply=%add",
+    "  %ars = f32[8]{0} all-reduce-start(f32[8]{0} %c), replica_groups=[2,4]<=[8], to_apply=%add",
+    "  %ard = f32[8]{0} all-reduce-done(f32[8]{0} %ars)",
+    "  %ag = f32[2,6]{1,0} all-gather(f32[2,3]{1,0} %d), replica_groups=[4,2]<=[8], dimensions={1}",
+    "  %cp = s32[5]{0} collective-permute(s32[5]{0} %e), source_target_pairs={{0,1},{1,0}}",
+    "  %cp.self = s32[5]{0} collective-permute(s32[5]{0} %e), source_target_pairs={{0,0},{1,1}}",
+    "  %dot = f32[4,4]{1,0} dot(f32[4,4]{1,0} %p, f32[4,4]{1,0} %q)",
+])
 
 
 def test_collectives_are_read_with_their_bytes_and_group_sizes():

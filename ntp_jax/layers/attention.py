@@ -27,8 +27,8 @@ from ntp_jax.layers.linear import default_kernel_init
 from ntp_jax.layers.params import local_block, tp_param
 from ntp_jax.layers.rope import apply_rope
 from ntp_jax.sharding.collectives import enter_tp, slot_position, tp_sum
-from ntp_jax.sharding.mesh import TP
 from ntp_jax.sharding.layout import Layout
+from ntp_jax.sharding.mesh import TP
 
 
 class Attention(nnx.Module):

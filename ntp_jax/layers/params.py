@@ -56,9 +56,10 @@ def local_block(param: nnx.Variable) -> jax.Array:
 def sum_shared_grads(grads: nnx.State) -> nnx.State:
   """Inside a ``shard_map`` body: add the gradients of shared units over the TP group.
 
-  Each slot computes shared units (``Layout.shared_units``) on its own run of
-  sequence positions (``layers.attention``), so its gradient there is a partial sum; after this every slot holds
-  the full gradient of its copy, and the copies stay identical.
+  Each slot computes shared units (``Layout.shared_units``) on its own run
+  of sequence positions (``layers.attention``), so its gradient there is a
+  partial sum; after this every slot holds the full gradient of its copy,
+  and the copies stay identical.
   """
   def total(v):
     layout = getattr(v, "tp_layout", None)
