@@ -33,6 +33,12 @@ def param_specs() -> dict:
   }
 
 
+def param_shardings(mesh: Mesh) -> dict:
+  """``NamedSharding`` of each parameter over ``mesh`` (``param_specs``)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(),
+                      is_leaf=lambda x: isinstance(x, P))
+
+
 def init_params(cfg, key: jax.Array) -> dict:
   """f32 parameters of ``cfg`` (a ``models.gpt.GPTConfig``), normal(0.02) kernels."""
   d, hd, L = cfg.d_model, cfg.head_dim, cfg.n_layers
@@ -119,9 +125,7 @@ def make_optimizer(train) -> optax.GradientTransformation:
 def init_state(cfg, train, mesh: Mesh, seed: int = 0) -> tuple[dict, optax.OptState]:
   """Parameters placed in their shardings, and the optimizer state ``jax.jit`` gives them
   (Adam moments follow their parameters)."""
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(),
-                           is_leaf=lambda x: isinstance(x, P))
-  params = jax.jit(lambda key: init_params(cfg, key), out_shardings=shardings)(
+  params = jax.jit(lambda key: init_params(cfg, key), out_shardings=param_shardings(mesh))(
       jax.random.key(seed))
   return params, init_optimizer(train, params, mesh)
 

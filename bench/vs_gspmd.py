@@ -106,7 +106,7 @@ def figures(compile_at, n_layers):
   return dict(flops=f2 + k * (f3 - f2), bytes=b2 + k * (b3 - b2), coll=c2.scaled(c3, k))
 
 
-def gspmd_params_from(logical, cfg):
+def gspmd_params_from(logical):
   """The GSPMD parameter tree from ntp_jax's logical parameters (``to_logical``)."""
   b = logical["blocks"]
   return {"embed": logical["embed"]["embedding"],
@@ -129,10 +129,7 @@ def time_pairs(cfg, config, tp, pairs):
   job = ntp_job(cfg, config, tp, ())
   mesh = gspmd_mesh(tp)
   logical = to_logical(replica_view(job.programs[0].params))
-  shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s),
-                           gspmd_gpt.param_specs(),
-                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  params = jax.device_put(gspmd_params_from(logical, cfg), shardings)
+  params = jax.device_put(gspmd_params_from(logical), gspmd_gpt.param_shardings(mesh))
   opt_state = gspmd_gpt.init_optimizer(config.train, params, mesh)
   tokens = config.train.batch_size * config.train.seq_len
   step = gspmd_gpt.make_step(cfg, config.train, mesh, tokens, params, opt_state)
