@@ -87,7 +87,7 @@ def count(dp: int, config) -> dict:
 
   def plan_of(failed):
     return make_plan(layouts, tp=tp, dp=dp, failed=failed, batch_size=run.train.batch_size,
-                     rebalance="proportional")
+                     rebalance="proportional", microbatches=run.train.microbatches)
 
   cache = ProgramCache()
   healthy = plan_of(frozenset())

@@ -147,7 +147,8 @@ def model_layouts(cfg: GPTConfig, tp: int, failed: Sequence[int] = (),
   """
   kw = dict(failed=failed, weights=weights)
   return ModelLayouts(
-      # Leftover KV groups are shared and computed row-parallel: no slot pads a group.
+      # Leftover KV groups are shared, each slot computing them on its run of positions:
+      # no slot pads a group.
       heads=make_layout(cfg.n_kv_heads, tp, share_remainder=True, **kw),
       ffn=make_layout(cfg.d_ff // cfg.ffn_granularity, tp, unit_size=cfg.ffn_granularity, **kw),
       vocab=make_layout(cfg.vocab_size // cfg.vocab_granularity, tp,

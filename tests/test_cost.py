@@ -54,13 +54,13 @@ def test_healthy_replica_executes_its_own_work_only(healthy, failed, reduced_deg
 
 
 def test_every_device_of_a_reduced_replica_executes_within_2_percent_of_its_own_need():
-  """8 KV groups at degree 3: 2 each + 2 shared on a third of the rows, no padded group.
+  """8 KV groups at degree 3: 2 each + 2 shared on a third of the positions, no padded group.
 
   Sizes chosen so every other split is even (d_ff 24 = 3 x 8, vocabulary 48).
   """
   from ntp_jax.parallel.cost import own_shard_flops
   cfg = dataclasses.replace(UNROLLED, d_ff=24, ffn_granularity=1, vocab_size=48)
-  job = _job(cfg, 4, 2, "1:2", 8)  # shares 4 and 3: one row per slot for the shared groups
+  job = _job(cfg, 4, 2, "1:2", 8)  # shares 4 and 3; the shared groups split by position
   reduced = [p for p in job.programs if p.replica_class.degree == 3][0]
   executed = class_step_flops(job, reduced, SEQ)
   cache = {}

@@ -169,10 +169,18 @@ def test_rmsnorm_and_rope_match_reference():
   np.testing.assert_allclose(apply_rope(q, cos, sin), ref.rope(q, 10_000.0), rtol=1e-5, atol=1e-6)
 
 
-def test_layer_called_outside_shard_map_is_a_clear_error():
-  layer = ColumnParallelLinear(3, make_layout(4, 2), rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("block", ["column", "mlp", "attention"])
+def test_layer_called_outside_shard_map_is_a_clear_error(block):
+  x = jnp.ones((1, 2, 4))
+  if block == "column":
+    call = lambda: ColumnParallelLinear(4, make_layout(4, 2), rngs=nnx.Rngs(0))(x)  # noqa: E731
+  elif block == "mlp":
+    call = lambda: SwiGLU(4, make_layout(4, 2), rngs=nnx.Rngs(0))(x)  # noqa: E731
+  else:
+    cos, sin = rope_angles(jnp.arange(2)[None], 2, 1e4)
+    call = lambda: Attention(4, 4, 2, make_layout(2, 2), rngs=nnx.Rngs(0))(x, cos, sin)  # noqa: E731
   with pytest.raises(ValueError, match="outside shard_map"):
-    layer(jnp.ones((1, 3)))
+    call()
 
 
 @pytest.mark.parametrize("rows,seq", [(3, 7), (4, 6), (1, 7), (2, 2)])

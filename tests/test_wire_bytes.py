@@ -33,6 +33,10 @@ HLO = "\n".join([
     "  %cp = s32[5]{0} collective-permute(s32[5]{0} %e), source_target_pairs={{0,1},{1,0}}",
     "  %cp.self = s32[5]{0} collective-permute(s32[5]{0} %e), source_target_pairs={{0,0},{1,1}}",
     "  %dot = f32[4,4]{1,0} dot(f32[4,4]{1,0} %p, f32[4,4]{1,0} %q)",
+    # A start's tuple holds its operand too: the bytes are the done's result.
+    "  %ags = (f32[2,3]{1,0}, f32[2,6]{1,0}) all-gather-start(f32[2,3]{1,0} %d), "
+    "replica_groups=[4,2]<=[8], dimensions={1}",
+    "  %agd = f32[2,6]{1,0} all-gather-done((f32[2,3]{1,0}, f32[2,6]{1,0}) %ags)",
 ])
 
 
@@ -44,9 +48,10 @@ def test_collectives_are_read_with_their_bytes_and_group_sizes():
       Collective("all-gather", 48, 2),
       Collective("collective-permute", 20, 2),
       Collective("collective-permute", 20, 1),
+      Collective("all-gather", 48, 2),
   ]
   found = totals(collectives(HLO))
-  assert found.ops == {"all-reduce": 3, "all-gather": 1, "collective-permute": 2}
+  assert found.ops == {"all-reduce": 3, "all-gather": 2, "collective-permute": 2}
   assert (found.singleton_ops, found.singleton_bytes) == (2, 28 + 20)
 
 

@@ -4,7 +4,8 @@ The shard unit is one KV-head group: a KV head and the ``n_heads /
 n_kv_heads`` query heads that read it (Ainslie et al., GQA,
 arXiv:2305.13245). A slot holding ``k`` units computes ``k`` KV heads and
 ``k * group`` query heads with no communication; the output projection is
-row-parallel (one all-reduce). Padded units have zero weights: their queries,
+row-parallel (one all-reduce), and the input enters the TP region once
+(one all-reduce of its gradient). Padded units have zero weights: their queries,
 keys and values are zero, their attention output is zero and meets zero rows
 of ``wo``, so they contribute nothing and receive zero gradient.
 

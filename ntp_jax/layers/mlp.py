@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ntp_jax.layers.linear import ColumnParallelLinear, RowParallelLinear
+from ntp_jax.layers.params import local_block
 from ntp_jax.sharding.collectives import enter_tp
 from ntp_jax.sharding.layout import Layout
 
@@ -37,6 +38,7 @@ class SwiGLU(nnx.Module):
     self.down = RowParallelLinear(layout, d_model, **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    local_block(self.gate.kernel)  # outside shard_map this raises the clear error first
     # One entry for gate and up: one all-reduce of their summed input gradient.
     x = enter_tp(x.astype(self.dtype))
     h_blk = jax.nn.silu(self.gate(x)) * self.up(x)  # [..., block]

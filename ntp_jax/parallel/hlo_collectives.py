@@ -19,9 +19,11 @@ from collections.abc import Iterable
 _ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2,
                   "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-# "%name = TYPE kind(" or "kind-start(" (asynchronous form on GPU); TYPE may be a tuple.
+# "%name = TYPE kind(", or "kind-start(" / "kind-done(" (asynchronous, on GPU); TYPE may be a
+# tuple. A start's tuple also holds its operands, so the bytes are read from its done.
 _INSTRUCTION = re.compile(
-    r"=\s+(?P<type>.+?)\s+(?P<kind>" + "|".join(KINDS) + r")(?:-start)?\((?P<rest>.*)$")
+    r"%?(?P<name>[\w.\-]+)\s*=\s+(?P<type>.+?)\s+(?P<kind>" + "|".join(KINDS)
+    + r")(?P<phase>-start|-done)?\((?P<rest>.*)$")
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
@@ -69,16 +71,26 @@ def collectives(hlo_text: str) -> list[Collective]:
     hlo_text: ``compiled.as_text()`` of a ``jax.jit(...).lower(...).compile()``.
   """
   out = []
+  started: dict[str, int] = {}  # asynchronous starts: name -> group size
   for line in hlo_text.splitlines():
     match = _INSTRUCTION.search(line)
-    if match is None or "-done(" in line:
+    if match is None:
       continue
-    kind = match.group("kind")
-    group = _group_size(match.group("rest"))
+    kind, phase, rest = match.group("kind"), match.group("phase"), match.group("rest")
+    if phase == "-done":
+      operand = re.match(r"[^%]*%([\w.\-]+)", rest)
+      if operand and operand.group(1) in started:
+        out.append(Collective(kind, _type_bytes(match.group("type")),
+                              started.pop(operand.group(1))))
+      continue
+    group = _group_size(rest)
     if kind == "collective-permute":  # a pair list; only self-sends make it a group of one
-      pairs = _PAIRS.findall(match.group("rest"))
+      pairs = _PAIRS.findall(rest)
       group = 1 if pairs and all(a == b for a, b in pairs) else 2
-    out.append(Collective(kind, _type_bytes(match.group("type")), group))
+    if phase == "-start":
+      started[match.group("name")] = group
+    else:
+      out.append(Collective(kind, _type_bytes(match.group("type")), group))
   return out
 
 

@@ -4,8 +4,8 @@ A job has ``dp`` DP replicas of ``tp`` slots each. After failures a replica
 keeps its live slots and trains at TP degree ``t = live slots`` (NTP); a
 replica with no live slot is dropped. Replicas whose layouts split the
 model the same way (same degree and speed weights, whichever slots failed)
-form a *replica class*, which runs one compiled program over its own
-sub-mesh. Batch shares keep every live device equally
+and whose batch shares are equal form a *replica class*, which runs one
+compiled program over its own sub-mesh. Batch shares keep every live device equally
 busy: ``proportional`` gives a replica at degree ``t`` about ``t/T`` of a
 healthy replica's sequences (``t / t_max`` of the fastest replica's share when
 no replica is healthy, so a lone reduced replica keeps the full batch), and
@@ -45,7 +45,8 @@ class ReplicaPlan:
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaClass:
-  """Replicas sharing one layout: one compiled program over a ``(replicas, degree)`` mesh.
+  """Replicas sharing one layout and one batch share: one compiled program over a
+  ``(replicas, degree)`` mesh.
 
   The replicas may have lost different slots: a layout is a unit split over
   the live slots in order, whichever slots those are.

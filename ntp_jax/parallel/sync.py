@@ -1,7 +1,9 @@
 """DP gradient sync across replica classes of different TP degree.
 
-Replicas of one class share a layout, replicas of different classes do not,
-so their gradient blocks cannot be all-reduced slot by slot. The sync goes
+Replicas of one class share a layout; replicas of different classes in general
+do not (classes of one layout differ only in batch share, under
+``ntp.rebalance=constant``), so their gradient blocks cannot be all-reduced
+slot by slot. The sync goes
 through sync positions shared by every replica: each parameter, flattened
 with its split axis first, is laid out over ``t_min`` near-equal runs held
 by the first ``t_min`` live slots of every replica (the *core* slots;

@@ -20,7 +20,7 @@ import numpy as np
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.parallel.job_step import JobStep
-from ntp_jax.parallel.plan import Plan, reachable_failed_sets
+from ntp_jax.parallel.plan import Plan, micro_batch_text, reachable_failed_sets
 from ntp_jax.parallel.programs import (
   ProgramCache,
   build_class_programs,
@@ -246,9 +246,11 @@ class TrainingRun:
     plan_s = time.perf_counter() - start
     dropped = "".join(f", replica {r} dropped (no live slot)" for r in plan.dropped)
     redo = "; step cut after its gradients, redone" if any(e.mid for e in events) else ""
+    shares = ", ".join(f"{r.batch_share}" + micro_batch_text(
+        r.batch_share, plan.classes[r.class_index].microbatches) for r in plan.replicas)
     self.log(f"step {self.step}: {', '.join(e.describe() for e in events)} -> TP degrees "
              f"{[r.degree for r in plan.replicas]}{dropped}, {plan.global_batch} sequences per "
-             f"step{redo}")
+             f"step (shares {shares}){redo}")
     wait_s = self.precompiler.settle(self.failed) if self.precompiler is not None else 0.0
     self.clock.add("compile", wait_s)
     ahead = self.precompiler is not None and (before, self.failed) in self.precompiler.ready

@@ -30,7 +30,7 @@ class ModelSpec:
 
   Attributes:
     layouts: ``(tp, failed_slots, slot_weights) -> layouts`` of one TP group
-      (``plan.make_plan`` groups replicas by equal layouts).
+      (``plan.make_plan`` groups replicas by equal layouts and batch shares).
     make: ``layouts -> module``. The same seed must give the same logical
       parameters for every layout (draw logical arrays, then split them, as
       ``layers.tp_param`` does).
