@@ -47,7 +47,7 @@ from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import build_class_programs  # noqa: E402
 from ntp_jax.parallel.steps import FusedStep, StepSettings  # noqa: E402
-from ntp_jax.train.footprint import abstract_program  # noqa: E402
+from ntp_jax.train.footprint import abstract_program, per_device_flops  # noqa: E402
 from ntp_jax.train.optim import make_optimizer  # noqa: E402
 
 MiB = 2**20
@@ -93,17 +93,20 @@ def gspmd_compiled(cfg, config, tp):
 
 
 def figures(compile_at, n_layers):
-  """Per-device flops, bytes accessed and collective totals, extended from 2 and 3 layers."""
-  measured = {}
-  for n in (2, 3):
+  """Per-device flops, bytes accessed and collective totals at ``n_layers``, from unrolled
+  programs (``footprint.per_device_flops``: measured at 2 and 3 layers and extended)."""
+  @functools.cache
+  def measure(n):
     compiled = compile_at(n)
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-    measured[n] = (flops_of(compiled), float(analysis.get("bytes accessed", 0.0)),
-                   totals(collectives(compiled.as_text())))
-  (f2, b2, c2), (f3, b3, c3) = measured[2], measured[3]
-  k = n_layers - 2
-  return dict(flops=f2 + k * (f3 - f2), bytes=b2 + k * (b3 - b2), coll=c2.scaled(c3, k))
+    return (flops_of(compiled), float(analysis.get("bytes accessed", 0.0)),
+            totals(collectives(compiled.as_text())))
+
+  flops, size = per_device_flops(lambda n: measure(n)[:2], n_layers)
+  coll = (measure(n_layers)[2] if n_layers <= 3
+          else measure(2)[2].scaled(measure(3)[2], n_layers - 2))
+  return dict(flops=flops, bytes=size, coll=coll)
 
 
 def gspmd_params_from(logical):
@@ -183,15 +186,13 @@ def main():
   tp, depth = args.tp, cfg.n_layers
   unrolled = lambda n: dataclasses.replace(cfg, n_layers=n, scan_layers=False)  # noqa: E731
   failed = ((0, args.failed_slot),)
-  with_stage = progress(["ntp_jax", "GSPMD", "ntp_jax reduced"], "compiling unrolled programs")
-  found = {}
-  for name in with_stage:
-    if name == "ntp_jax":
-      found[name] = figures(lambda n: ntp_compiled(unrolled(n), config, tp, ()), depth)
-    elif name == "GSPMD":
-      found[name] = figures(lambda n: gspmd_compiled(unrolled(n), config, tp), depth)
-    else:
-      found[name] = figures(lambda n: ntp_compiled(unrolled(n), config, tp, failed), depth)
+  compilers = {
+      "ntp_jax": lambda n: ntp_compiled(unrolled(n), config, tp, ()),
+      "GSPMD": lambda n: gspmd_compiled(unrolled(n), config, tp),
+      "ntp_jax reduced": lambda n: ntp_compiled(unrolled(n), config, tp, failed),
+  }
+  found = {name: figures(compilers[name], depth)
+           for name in progress(compilers, "compiling unrolled programs")}
   timing = time_pairs(cfg, config, tp, args.pairs)
   reduced_s = degree_time(cfg, config, tp, failed, args.degree_steps) if args.degree_steps else None
 
