@@ -255,7 +255,7 @@ class TrainingRun:
     self.clock.add("compile", wait_s)
     ahead = self.precompiler is not None and (before, self.failed) in self.precompiler.ready
     self.recovery = {"start": start, "compiled": compiled, "plan_s": plan_s, "wait_s": wait_s,
-                     "ahead": ahead}
+                     "ahead": ahead, "cut": bool(redo)}
     live = self.config.ntp.recovery == "live"
     if live and jax.process_count() > 1:
       # A failed slot's shards are copied device to device from a DP peer; across
@@ -307,12 +307,15 @@ class TrainingRun:
     self.build(plan, source or self.fresh_source(plan))
     self.saved_step = latest
     self.clock.add("checkpoint_restore", time.perf_counter() - start)
+    # Redone work: the steps past the checkpoint, and the step cut inside (already thrown away).
+    cut = int(self.recovery is not None and self.recovery.get("cut", False))
+    redo = self.furthest - self.step + cut
     if self.recovery is not None:
-      self.recovery.update(path="restart", move_s=time.perf_counter() - start,
-                           redo=self.furthest - self.step,
+      self.recovery.update(path="restart", move_s=time.perf_counter() - start, redo=redo,
                            seconds=time.perf_counter() - self.recovery["start"])
     self.log(f"  restart: restored step {self.step} from {where} in "
-             f"{time.perf_counter() - start:.2f} s; {self.furthest - self.step} step(s) to redo")
+             f"{time.perf_counter() - start:.2f} s; {redo} step(s) redone"
+             + (" (counting the step cut inside)" if cut else ""))
 
   def finish_recovery(self, first_step_s: float | None) -> None:
     """Write the last recovery's ``recovered`` event, once its first step has run (or
