@@ -11,11 +11,10 @@ joins a multi-process job when the config or the environment asks for one
 """
 
 import os
-import re
 import sys
 import traceback
 
-from absl import app, flags, logging
+from absl import app, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).")
@@ -33,39 +32,21 @@ def simulate_cpu_devices(count: int) -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a misspelled config field as one line naming it.
-
-  ml_collections raises ``AttributeError`` (with its own suggestion) for an
-  override of a field that does not exist; that would print a traceback.
-  """
+  """absl's flag parsing; every command-line mistake is one line naming the file or the
+  field (``ntp_jax.train.cli``), exit status 2."""
+  from ntp_jax.errors import ConfigError
+  from ntp_jax.train.cli import parse_command_line
   try:
-    return flags.FLAGS(argv)
-  except (AttributeError, KeyError) as err:
-    text = str(err)
-    names = re.findall(r"\w+", text)
-    wrong = names[0] if names else "config"
-    guess = re.search(r'Did you mean "(\w+)"', text)
-    field, suggestion = wrong, ""
-    for override in (a[len("--config."):].split("=")[0] for a in argv[1:]
-                     if a.startswith("--config.")):
-      parts = override.split(".")
-      if wrong in parts:  # the field as typed, up to the unknown name
-        at = parts.index(wrong)
-        field = ".".join(parts[:at + 1])
-        if guess:
-          suggestion = f"; did you mean {'.'.join(parts[:at] + [guess[1]])}?"
-        break
-    print(f"error: {field}: no such config field{suggestion}", file=sys.stderr)
+    return parse_command_line(argv)
+  except ConfigError as err:
+    print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  del argv  # parse_flags refuses left-over arguments
   logging.set_verbosity(logging.WARNING)  # JAX's platform probing logs at INFO
   config = _CONFIG.value
-  if config is None:
-    raise app.UsageError("--config is required, e.g. --config configs/gpt_tiny.py")
   # These import JAX; its backend starts later, reading XLA_FLAGS.
   from ntp_jax.errors import ConfigError
   from ntp_jax.parallel import distributed

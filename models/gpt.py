@@ -37,7 +37,9 @@ from ntp_jax.sharding.layout import Layout, make_layout, units_of
 from ntp_jax.state.placement import flatten
 from ntp_jax.train.model_spec import ModelSpec
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Compute and storage dtypes trained here (float16 is not: XLA's CPU dots refuse it, and it
+# would need loss scaling).
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 TRAINER_KEYS = ("factory", "init_from")  # ``model.*`` keys the trainer reads, not GPTConfig
 HF_PREFIX = "hf:"  # ``model.init_from`` of a local Hugging Face Llama folder
 
@@ -82,8 +84,8 @@ class GPTConfig:
                           f"model.{dim_name} {getattr(self, dim_name)}") from None
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
-        raise ConfigError(f"model.{name}: unknown dtype {getattr(self, name)!r}; "
-                         f"choose one of {sorted(_DTYPES)}")
+        raise ConfigError(f"model.{name}: {getattr(self, name)!r} is not supported; "
+                         f"choose one of {', '.join(_DTYPES)}")
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"model.remat: unknown policy {self.remat!r}; choose one of "
                         f"{', '.join(REMAT_POLICIES)}")
