@@ -5,15 +5,17 @@ For trying multi-process runs without a cluster. Starts ``N`` copies of
 its place through ``NTP_JAX_COORDINATOR`` (127.0.0.1 and a free port),
 ``NTP_JAX_NUM_PROCESSES`` and ``NTP_JAX_PROCESS_ID`` (read by
 ``ntp_jax.parallel.distributed``), with its own CPU devices and gloo collectives.
-Every output line is prefixed with ``[i]``. When one process fails, the
-others are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and the
-launcher exits with the first failure's status.
+Every output line is prefixed with ``[i]``; gloo's connection chatter is
+dropped (``is_chatter``). When one process fails, the others are stopped
+(SIGTERM, then SIGKILL after ``--grace`` seconds) and the launcher exits
+with the first failure's status.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,9 +32,23 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+# gloo's connection chatter, one line per process and collective group (dropped from the output):
+# "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+GLOO_CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+                          r"Expected number of connected peer ranks is : \d+\s*")
+
+
+def is_chatter(line: str) -> bool:
+  """True for a line of gloo's connection chatter, and only for it."""
+  return GLOO_CHATTER.fullmatch(line) is not None
+
+
 def _pump(stream, prefix: str, out) -> None:
   for line in iter(stream.readline, b""):
-    out.write(prefix + line.decode(errors="replace"))
+    text = line.decode(errors="replace")
+    if is_chatter(text):
+      continue
+    out.write(prefix + text)
     out.flush()
 
 
