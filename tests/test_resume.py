@@ -13,6 +13,7 @@ import pytest
 from helpers import ROOT, tiny_config
 
 from ntp_jax.data.packed_dataset import PackedDataset
+from ntp_jax.errors import ConfigError
 from ntp_jax.train.metrics import read_metrics, read_records
 from ntp_jax.train.trainer import train
 
@@ -237,3 +238,13 @@ print(state["params"]["embed"]["embedding"].shape,
                           timeout=120, env=env, cwd=str(tmp_path))
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.strip() == "(2048, 128) (128, 2048)"
+
+
+def test_a_checkpoint_of_another_seq_len_stops_before_a_tokenizer_is_trained(tmp_path):
+  """gpt_small in gpt_tiny's workdir: refused on train.seq_len before its BPE is trained."""
+  run(tmp_path, 1, tmp_path / "checkpoints")
+  entries = sorted(os.listdir(tmp_path / "data"))
+  with pytest.raises(ConfigError, match=r"^train.seq_len: the checkpoint .* train.seq_len=64"):
+    run(tmp_path, 2, tmp_path / "checkpoints",
+        **{"train.seq_len": 32, "model.vocab_size": 1024})
+  assert sorted(os.listdir(tmp_path / "data")) == entries  # no tokenizer of 1,024 tokens

@@ -79,6 +79,31 @@ def resume_point(config: RunConfig, checkpoints: Checkpoints | None, plan: Plan,
                      tuple(e for e in config.ntp.events if e.step >= latest), make_plan(failed))
 
 
+def check_resumable(config: RunConfig, checkpoints: Checkpoints | None) -> None:
+  """What ``resume_point`` would refuse of the latest checkpoint, checked before the data is
+  read (a tokenizer may take many seconds to train first).
+
+  Raises:
+    ConfigError: naming ``train.seq_len`` (see ``check_same_data``).
+  """
+  if checkpoints is None or not config.checkpoint.resume:
+    return
+  latest = checkpoints.latest_step()
+  if latest is not None:
+    check_seq_len(config, checkpoints.meta(latest), checkpoints.step_dir(latest))
+
+
+def check_seq_len(config: RunConfig, meta: dict[str, Any], where: str) -> None:
+  """Raises ConfigError naming ``train.seq_len`` when the checkpoint's differs."""
+  written = meta.get("config", {})  # JSON as stored: older checkpoints may lack a field
+  old = written.get("train", {}).get("seq_len")
+  if old is not None and old != config.train.seq_len:
+    raise ConfigError(f"train.seq_len: the checkpoint {where} was written with train.seq_len="
+                      f"{old}; its data position counts sequences of that length (now "
+                      f"{config.train.seq_len}); resume with {old} or set "
+                      "checkpoint.resume=False")
+
+
 def check_same_data(config: RunConfig, meta: dict[str, Any], where: str, log) -> None:
   """The checkpoint's data position must mean the same sequences in this run.
 
@@ -87,13 +112,8 @@ def check_same_data(config: RunConfig, meta: dict[str, Any], where: str, log) ->
       (the cursor counts sequences of that length). Another seed, data path,
       byte budget or vocabulary gets a one-line warning: the order changes.
   """
+  check_seq_len(config, meta, where)
   written = meta.get("config", {})  # JSON as stored: older checkpoints may lack a field
-  old = written.get("train", {}).get("seq_len")
-  if old is not None and old != config.train.seq_len:
-    raise ConfigError(f"train.seq_len: the checkpoint {where} was written with train.seq_len="
-                      f"{old}; its data position counts sequences of that length (now "
-                      f"{config.train.seq_len}); resume with {old} or set "
-                      "checkpoint.resume=False")
   now = {(s, f): getattr(getattr(config, s), f) for s, f in DATA_ORDER_FIELDS}
   if "vocab_size" in config.source.model:  # the model factory's field, as configured
     now[("model", "vocab_size")] = config.source.model["vocab_size"]

@@ -50,7 +50,7 @@ from ntp_jax.train.model_spec import ModelSpec, load_model_spec
 from ntp_jax.train.optim import make_optimizer
 from ntp_jax.train.report import parameter_table
 from ntp_jax.train.resources import check_footprint
-from ntp_jax.train.resume import ResumePoint, resume_point
+from ntp_jax.train.resume import ResumePoint, check_resumable, resume_point
 
 
 @dataclasses.dataclass
@@ -197,19 +197,21 @@ def train(config, *, model: ModelSpec | None = None, log=print,
     return TrainResult(plan=plan, metrics_path=metrics_path, footprints=footprints,
                        dry_run=True)
 
-  # The data first: a bad data.path stops here, before any checkpoint folder is touched.
-  dataset = make_dataset(config.data.path or None, model.vocab_size, config.train.seq_len,
-                         config.workdir, config.train.seed,
-                         max_corpus_bytes=config.data.max_corpus_bytes,
-                         val_fraction=config.data.val_fraction,
-                         tokenizer_path=model.tokenizer_file)
-  dataset.check_batch_size(plan.global_batch)
-
   checkpoints = None
-  if config.checkpoint.enabled:
-    checkpoints = Checkpoints(config.checkpoint.dir, keep=config.checkpoint.keep,
-                              field=config.checkpoint.dir_field)
   try:
+    # A checkpoint this run cannot resume stops it before the data (a tokenizer to train can
+    # take many seconds); a bad data.path stops before a checkpoint folder is created.
+    if config.checkpoint.enabled and os.path.isdir(config.checkpoint.dir):
+      checkpoints = open_checkpoints(config)
+      check_resumable(config, checkpoints)
+    dataset = make_dataset(config.data.path or None, model.vocab_size, config.train.seq_len,
+                           config.workdir, config.train.seed,
+                           max_corpus_bytes=config.data.max_corpus_bytes,
+                           val_fraction=config.data.val_fraction,
+                           tokenizer_path=model.tokenizer_file)
+    dataset.check_batch_size(plan.global_batch)
+    if config.checkpoint.enabled and checkpoints is None:
+      checkpoints = open_checkpoints(config)
     start = resume_point(config, checkpoints, plan, plan_of, log)
   except BaseException:
     if checkpoints is not None:  # orbax's threads must stop before the process ends
@@ -236,6 +238,12 @@ def train(config, *, model: ModelSpec | None = None, log=print,
     finally:
       if checkpoints is not None:
         checkpoints.close()
+
+
+def open_checkpoints(config: RunConfig) -> Checkpoints:
+  """The run's checkpoint folder (created if missing)."""
+  return Checkpoints(config.checkpoint.dir, keep=config.checkpoint.keep,
+                     field=config.checkpoint.dir_field)
 
 
 def precompile_on(config: RunConfig, devices: Sequence[jax.Device], log) -> bool:
