@@ -64,6 +64,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.lr = 3e-3  # peak learning rate
   c.train.min_lr_ratio = 0.1  # final learning rate / peak (cosine decay)
   c.train.warmup_steps = 20  # linear warmup steps
+  # Learning-rate schedule length in steps (0: train.steps). Set it to the final step count when
+  # a run is trained in parts (100 steps, then resumed to 150), so that each part follows one curve.
+  c.train.schedule_steps = 0
   c.train.b1 = 0.9  # Adam beta1
   c.train.b2 = 0.95  # Adam beta2
   c.train.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only)

@@ -248,3 +248,25 @@ def test_a_checkpoint_of_another_seq_len_stops_before_a_tokenizer_is_trained(tmp
     run(tmp_path, 2, tmp_path / "checkpoints",
         **{"train.seq_len": 32, "model.vocab_size": 1024})
   assert sorted(os.listdir(tmp_path / "data")) == entries  # no tokenizer of 1,024 tokens
+
+
+def test_a_run_in_parts_on_one_schedule_equals_the_whole_run(data_workdir, tmp_path):
+  """train.schedule_steps=10: 6 steps, then resumed to 10, follow the 10-step run's rate."""
+  lr = {"train.warmup_steps": 2}
+  whole = run(data_workdir, 10, tmp_path / "whole", **lr).losses
+  first = run(data_workdir, 6, tmp_path / "parts", **lr, **{"train.schedule_steps": 10})
+  shutil.copytree(tmp_path / "parts", tmp_path / "parts_other")
+  lines = []
+  config = tiny_config(data_workdir, **{"train.steps": 10, "train.schedule_steps": 10, **lr})
+  config.checkpoint.every, config.checkpoint.dir = 10, str(tmp_path / "parts")
+  second = train(config, log=lines.append)
+  assert second.start_step == 6
+  np.testing.assert_allclose(first.losses + second.losses, whole, rtol=0, atol=1e-6)
+  assert not [line for line in lines if "schedule" in line]
+  # Resumed with another schedule (train.steps=8 and no schedule_steps): one line says so.
+  lines.clear()
+  config = tiny_config(data_workdir, **{"train.steps": 8, **lr})
+  config.checkpoint.every, config.checkpoint.dir = 10, str(tmp_path / "parts_other")
+  train(config, log=lines.append)
+  warned = [line for line in lines if "schedule" in line]
+  assert len(warned) == 1 and "train.schedule_steps=10 -> 8" in warned[0], lines

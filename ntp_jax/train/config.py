@@ -75,6 +75,7 @@ class TrainConfig:
   lr: float
   min_lr_ratio: float
   warmup_steps: int
+  schedule_steps: int  # learning-rate schedule length (``train.schedule_steps``, 0 -> ``steps``)
   b1: float
   b2: float
   weight_decay: float
@@ -194,8 +195,11 @@ class RunConfig:
                data=data, compile=compile_config, source=config)
 
   def to_json_dict(self) -> dict[str, Any]:
-    """The config as written (JSON-ready), for checkpoint metadata."""
-    return json.loads(self.source.to_json_best_effort())
+    """The config as written (JSON-ready), for checkpoint metadata, with the learning-rate
+    schedule's length resolved (``train.schedule_steps``)."""
+    written = json.loads(self.source.to_json_best_effort())
+    written.setdefault("train", {})["schedule_steps"] = self.train.schedule_steps
+    return written
 
 
 # Every field the trainer reads, by section, as written in a config file; ``model`` also holds
@@ -286,6 +290,7 @@ def _train_section(reader: _Reader) -> TrainConfig:
       lr=reader.float("train.lr", low=0.0),
       min_lr_ratio=reader.float("train.min_lr_ratio", low=0.0),
       warmup_steps=reader.int("train.warmup_steps", low=0),
+      schedule_steps=reader.int("train.schedule_steps", low=0) or reader.int("train.steps"),
       b1=reader.float("train.b1", low=0.0), b2=reader.float("train.b2", low=0.0),
       weight_decay=reader.float("train.weight_decay", low=0.0),
       clip_norm=reader.float("train.clip_norm", low=0.0),

@@ -18,16 +18,17 @@ from ntp_jax.train.config import TrainConfig
 
 
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
-  """AdamW from the ``train`` section (``lr``, ``warmup_steps``, ``steps``,
+  """AdamW from the ``train`` section (``lr``, ``warmup_steps``, ``schedule_steps``,
   ``min_lr_ratio``, ``b1``, ``b2``, ``weight_decay``; checked by
   ``train.config``): linear warmup to ``lr``, cosine decay to
-  ``lr * min_lr_ratio`` at ``steps``. Clipping is separate
-  (``clip_by_logical_norm``).
+  ``lr * min_lr_ratio`` at ``schedule_steps`` (``train.steps`` unless set).
+  Clipping is separate (``clip_by_logical_norm``).
   """
-  warmup = min(train.warmup_steps, train.steps)
+  length = train.schedule_steps
+  warmup = min(train.warmup_steps, length)
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=train.lr, warmup_steps=warmup,
-      decay_steps=max(train.steps, warmup + 1), end_value=train.lr * train.min_lr_ratio)
+      decay_steps=max(length, warmup + 1), end_value=train.lr * train.min_lr_ratio)
   return optax.adamw(schedule, b1=train.b1, b2=train.b2, eps=1e-8,
                      weight_decay=train.weight_decay, mask=decay_mask)
 

@@ -64,6 +64,7 @@ def resume_point(config: RunConfig, checkpoints: Checkpoints | None, plan: Plan,
     return fresh
   meta = checkpoints.meta(latest)
   check_same_data(config, meta, checkpoints.step_dir(latest), log)
+  check_same_schedule(config, meta, checkpoints.step_dir(latest), log)
   log(f"resuming from step {latest} of {checkpoints.step_dir(latest)}")
   log(f"  written under: {describe_written_plan(meta['plan'])}")
   cursor, source = int(meta["data_cursor"]), checkpoints.source(latest)
@@ -122,6 +123,21 @@ def check_same_data(config: RunConfig, meta: dict[str, Any], where: str, log) ->
     if before is not None and before != value:
       log(f"warning: {section}.{field} was {before!r} when {where} was written, now "
           f"{value!r}: the data order differs from the first run")
+
+
+def check_same_schedule(config: RunConfig, meta: dict[str, Any], where: str, log) -> None:
+  """One line when the learning-rate schedule differs from the checkpoint's: its length
+  (``train.schedule_steps``, ``train.steps`` in checkpoints that predate it), warmup, peak or
+  floor. The run goes on, on this run's schedule from the resumed step."""
+  written = meta.get("config", {}).get("train", {})
+  before = {"schedule_steps": written.get("schedule_steps", written.get("steps")),
+            **{k: written.get(k) for k in ("warmup_steps", "lr", "min_lr_ratio")}}
+  changed = [f"train.{k}={before[k]!r} -> {getattr(config.train, k)!r}" for k in before
+             if before[k] is not None and before[k] != getattr(config.train, k)]
+  if changed:
+    log(f"warning: the learning-rate schedule differs from the one {where} was written with "
+        f"({', '.join(changed)}): the rate follows this run's curve from here; set "
+        f"train.schedule_steps to the final step count to train in parts on one curve")
 
 
 def describe_written_plan(summary: dict[str, Any]) -> str:
