@@ -66,6 +66,26 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int,
   return layers
 
 
+def layer_states(layers: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
+  """``(graphdef, state)`` of a ``stack_layers`` module with the layer axis first everywhere.
+
+  Call inside a ``shard_map`` body. A ``TPParam``'s local ``[1, n, ...]`` becomes
+  ``[n, 1, ...]`` (replicated variables are ``[n, ...]`` already), so ``jax.lax.scan``
+  over the state, or indexing it, yields one layer's local view: merge it with
+  ``graphdef`` to call that layer.
+  """
+  graphdef, state = nnx.split(layers)
+  # The local slot axis has length one, so a reshape does it: a bitcast, where moving the
+  # axis would lay every block out again (and its gradient back) in each step.
+  def layer_first(v):
+    if not isinstance(v, TPParam):
+      return v
+    value = v.get_value()
+    return v.replace(value.reshape(value.shape[1], 1, *value.shape[2:]))
+
+  return graphdef, jax.tree.map(layer_first, state, is_leaf=_is_variable)
+
+
 def run_layers(layers: nnx.Module, x: jax.Array, *args, scan: bool = True,
                remat: str = "none") -> jax.Array:
   """``x = layer(x, *args)`` for each layer of a ``stack_layers`` module, in order.
@@ -84,17 +104,7 @@ def run_layers(layers: nnx.Module, x: jax.Array, *args, scan: bool = True,
     ValueError: unknown ``remat``.
   """
   check_remat(remat)
-  graphdef, state = nnx.split(layers)
-  # Layer axis first everywhere, so scan (or indexing) yields one layer's local view. The
-  # local slot axis has length one, so a reshape does it: a bitcast, where moving the axis
-  # would lay every block out again (and its gradient back) in each step.
-  def layer_first(v):
-    if not isinstance(v, TPParam):
-      return v
-    value = v.get_value()
-    return v.replace(value.reshape(value.shape[1], 1, *value.shape[2:]))
-
-  per_layer = jax.tree.map(layer_first, state, is_leaf=_is_variable)
+  graphdef, per_layer = layer_states(layers)
 
   def apply(x, layer_state, *args):
     return nnx.merge(graphdef, layer_state)(x, *args)
