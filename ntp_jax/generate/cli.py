@@ -176,6 +176,10 @@ def _generate(args, overrides: dict[str, str], tp: int) -> int:
     raise ConfigError(f"--max-new-tokens: {args.max_new_tokens} after the prompt's "
                       f"{len(prompt)} tokens pass the model's maximum sequence length "
                       f"{origin.max_len} ({origin.max_len_field}); at most {room}")
+  import jax
+  if len(jax.devices()) < tp:  # before any weight is read
+    raise ConfigError(f"mesh.tp: {tp} devices needed, {len(jax.devices())} present "
+                      f"({jax.devices()[0].platform})")
   log = lambda line: print(line, file=sys.stderr)  # noqa: E731
   log(f"model: {origin.description}")
   start = time.perf_counter()

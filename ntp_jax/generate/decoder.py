@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +151,17 @@ class Decoder:
         jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), cache, cache, P(), P()),
                       out_specs=(P(), P(), cache, cache)),
         donate_argnums=(2, 3))
+    self._programs: dict[tuple[int, int, int], Any] = {}
+
+  def _compiled(self, batch: int, new: int, cache: jax.Array, key: jax.Array):
+    """The program for ``new`` tokens per row on this cache, compiled ahead once and kept
+    (calling the compiled object skips the jit's tracing)."""
+    shape = (batch, new, cache.shape[3])
+    if shape not in self._programs:
+      self._programs[shape] = self._program.lower(
+          self.state, jax.ShapeDtypeStruct((batch, new), jnp.int32), cache, cache,
+          jnp.int32(0), key).compile()
+    return self._programs[shape]
 
   def empty_cache(self, batch: int, max_len: int) -> tuple[jax.Array, jax.Array]:
     """Zero key and value caches ``[degree, n_layers, batch, max_len, heads, head_dim]``
@@ -189,10 +201,7 @@ class Decoder:
     key = jax.random.key(seed)
     feed = jnp.asarray(prompt, jnp.int32)
     start = time.perf_counter()
-    # Compiled ahead and called as compiled objects: the prompt's program and the step's.
-    prefill, step_program = (
-        self._program.lower(self.state, jax.ShapeDtypeStruct((batch, n), jnp.int32), k_cache,
-                            v_cache, jnp.int32(0), key).compile() for n in (length, 1))
+    prefill, step_program = (self._compiled(batch, n, k_cache, key) for n in (length, 1))
     compile_s = time.perf_counter() - start
     tokens, logits = [], []
     done = np.zeros(batch, bool)
