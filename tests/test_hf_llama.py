@@ -147,6 +147,10 @@ def test_export_command_reads_a_checkpoint(tmp_path, capsys):
   assert main(["--checkpoint", str(tmp_path / "ckpt"), "--step", "9", "--out", out]) == 1
   assert main(["--checkpoint", str(tmp_path / "none"), "--out", out]) == 1
   err = capsys.readouterr().err.strip().splitlines()
+  # A checkpoint folder without the trainer's tokenizer copy: one warning, no tokenizer files.
+  assert err[0].startswith("export_hf: warning: --checkpoint: ") and "no tokenizer.json" in err[0]
+  assert not os.path.exists(os.path.join(out, "tokenizer.json"))
+  err = err[1:]
   assert len(err) == 2 and "--step: " in err[0] and "ckpt/9 is not a complete" in err[0], err
   assert err[1].endswith("--checkpoint: no folder " + str(tmp_path / "none")), err
   assert not os.path.exists(tmp_path / "none")

@@ -168,3 +168,53 @@ def test_bad_init_from_is_a_one_line_error(tmp_path, init_from, message):
   with pytest.raises(ConfigError, match=rf"^model\.init_from: {message}") as err:
     train(config, log=lambda *_: None)
   assert "\n" not in str(err.value)
+
+
+def test_the_tokenizer_travels_with_the_exported_weights(tmp_path):
+  """Export writes the run's tokenizer, every file world-readable (as a plain new file); a run
+  from the folder encodes with it and starts at the exported run's loss."""
+  first = train(tiny_config(tmp_path / "first", **{"train.steps": 30, "checkpoint.every": 30}),
+                log=lambda *_: None)
+  out = tmp_path / "hf"
+  assert export_checkpoint(str(tmp_path / "first" / "checkpoints"), str(out)) == 30
+  names_written = sorted(os.listdir(out))
+  assert names_written == ["config.json", "model.safetensors", "special_tokens_map.json",
+                           "tokenizer.json", "tokenizer_config.json"]
+  (tmp_path / "plain").write_text("")
+  plain_mode = os.stat(tmp_path / "plain").st_mode & 0o777
+  for name in names_written:
+    assert os.stat(out / name).st_mode & 0o777 == plain_mode, name
+  tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+  text = "def main(argv):\n  return sorted(argv, key=len)  # ünïcode\n"
+  assert tokenizer.decode(tokenizer.encode(text).ids) == text
+  with open(out / "tokenizer_config.json") as f:
+    tokenizer_config = json.load(f)
+  eot = tokenizer.token_to_id("<|endoftext|>")
+  assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+  assert tokenizer_config["eos_token"] == "<|endoftext|>" and tokenizer_config["unk_token"] is None
+  assert tokenizer_config["added_tokens_decoder"][str(eot)]["special"]
+  with open(out / "config.json") as f:
+    assert json.load(f)["eos_token_id"] == eot
+
+  lines = []
+  again = train(tiny_config(tmp_path / "again", **{"model.init_from": f"hf:{out}",
+                                                   "train.steps": 2, "train.lr": 0.0}),
+                log=lines.append)
+  assert f"copy of {out / 'tokenizer.json'}" in "\n".join(lines)
+  assert not [line for line in lines if line.startswith("warning")], lines
+  last = float(np.mean(first.losses[-5:]))
+  assert last < np.log(2048) - 1.0
+  assert abs(again.losses[0] - last) < 0.3, (again.losses, first.losses[-5:])
+
+
+def test_a_folder_without_a_tokenizer_warns_in_one_line(tmp_path):
+  folder = str(tmp_path / "hf")
+  fixture.write_model(folder, "untied", vocab_size=MODEL_VOCAB)
+  lines = []
+  config = tiny_config(tmp_path / "work", **{"model.init_from": f"hf:{folder}", "mesh.tp": 4})
+  config.dry_run = True  # the warning comes before the data; nothing needs to run
+  train(config, log=lines.append)
+  warned = [line for line in lines if line.startswith("warning")]
+  assert warned == [f"warning: model.init_from: hf:{folder} has no tokenizer.json; a 320-token "
+                    "BPE tokenizer is trained on the data instead, whose ids are not the tokens "
+                    "these weights learned"]

@@ -4,14 +4,18 @@ Writes one step of a run's checkpoints (``ntp_jax.state.checkpoint.Checkpoints``
 the ``meta`` item holds the run's config, the ``state`` item the logical
 parameters) as a Hugging Face folder (the model's ``ModelSpec.export_hf``; for the GPT,
 ``ntp_jax.interop.hf_llama.export_hf``):
-``config.json`` and a float32 ``model.safetensors``. The parameters are read
-on this host with plain orbax (the optimizer state is not read), so any
-device count works; the host needs memory for the model in float32 twice.
+``config.json`` and a float32 ``model.safetensors``, and the run's tokenizer
+(``ntp_jax.interop.hf_tokenizer``: ``tokenizer.json``, ``tokenizer_config.json``,
+``special_tokens_map.json``) from the copy the trainer keeps beside the
+checkpoints. The parameters are read on this host with plain orbax (the
+optimizer state is not read), so any device count works; the host needs
+memory for the model in float32 twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -20,7 +24,9 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.errors import ConfigError
+from ntp_jax.interop.hf_tokenizer import write_hf_tokenizer
 from ntp_jax.state.checkpoint import STATE, CheckpointError, Checkpoints
 from ntp_jax.state.placement import Path, nest
 from ntp_jax.train.model_spec import load_model_spec
@@ -56,8 +62,13 @@ def read_params_on_host(checkpoints: Checkpoints, step: int) -> dict[Path, np.nd
   return out
 
 
-def export_checkpoint(directory: str, out: str, step: int | None = None) -> int:
+def export_checkpoint(directory: str, out: str, step: int | None = None, *,
+                      log=lambda line: print(f"export_hf: {line}", file=sys.stderr)) -> int:
   """Write step ``step`` (default: the newest complete one) of ``directory`` to ``out``.
+
+  The run's tokenizer goes with the weights (``directory/tokenizer.json``, the
+  trainer's copy); a run without one (``.bin`` tokens, or older than that
+  copy) gets one warning line through ``log`` and a folder without a tokenizer.
 
   Returns:
     The step written.
@@ -100,8 +111,29 @@ def export_checkpoint(directory: str, out: str, step: int | None = None) -> int:
     params = read_params_on_host(checkpoints, step)
   finally:
     checkpoints.close()
-  model.export_hf(params, out, max_position_embeddings=config.get("train", {}).get("seq_len"))
+  seq_len = config.get("train", {}).get("seq_len")
+  model.export_hf(params, out, max_position_embeddings=seq_len)
+  tokenizer = os.path.join(directory, TOKENIZER_FILE)
+  if os.path.isfile(tokenizer):
+    eot_id = write_hf_tokenizer(tokenizer, out, model_max_length=seq_len)
+    _set_token_ids(os.path.join(out, "config.json"), eot_id)
+  else:
+    log(f"warning: --checkpoint: {directory} holds no {TOKENIZER_FILE} (a run on .bin tokens, "
+        f"or one older than that copy): {out} has no tokenizer")
   return step
+
+
+def _set_token_ids(config_json: str, eot_id: int) -> None:
+  """``bos_token_id`` and ``eos_token_id`` of ``config.json``: the end-of-text separator
+  (without them transformers' Llama defaults, 1 and 2, would mean other tokens)."""
+  if not os.path.isfile(config_json):
+    return
+  with open(config_json, encoding="utf-8") as f:
+    config = json.load(f)
+  config.update(bos_token_id=eot_id, eos_token_id=eot_id)
+  with open(config_json, "w", encoding="utf-8") as f:
+    json.dump(config, f, indent=2)
+    f.write("\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--checkpoint", required=True, help="the run's checkpoint folder")
   parser.add_argument("--step", type=int, default=None,
                       help="step to export (default: the newest complete one)")
-  parser.add_argument("--out", required=True, help="folder for config.json and model.safetensors")
+  parser.add_argument("--out", required=True,
+                      help="folder for config.json, model.safetensors and the tokenizer")
   args = parser.parse_args(argv)
   try:
     step = export_checkpoint(args.checkpoint, args.out, args.step)

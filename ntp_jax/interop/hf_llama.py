@@ -434,10 +434,20 @@ def export_hf(logical_params: Mapping, cfg: Any, folder: str, *,
   os.makedirs(folder, exist_ok=True)
   # transformers loads safetensors only with this metadata.
   save_file(tensors, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+  new_file_mode(os.path.join(folder, WEIGHTS))
   with open(os.path.join(folder, CONFIG), "w") as f:
     json.dump(hf_config(cfg, max_position_embeddings), f, indent=2)
     f.write("\n")
 
 
+def new_file_mode(path: str) -> None:
+  """Give ``path`` the mode a file opened for writing gets (0666 less the umask: world-readable
+  under the usual 022). safetensors writes through a temporary file, created 0600, that it
+  renames into place."""
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)
+
+
 __all__ = ["HFSource", "NAMES", "Name", "export_hf", "hf_config", "logical_shapes", "names",
-           "read_hf_config", "tensor_files", "tokenizer_file"]
+           "new_file_mode", "read_hf_config", "tensor_files", "tokenizer_file"]

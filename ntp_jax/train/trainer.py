@@ -20,7 +20,9 @@ import jax
 import numpy as np
 
 from ntp_jax.data import make_dataset
+from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.errors import ConfigError
+from ntp_jax.interop.hf_tokenizer import copy_file
 from ntp_jax.layers.shard import replica_view
 from ntp_jax.parallel.distributed import check_domains, join, ordered_devices
 from ntp_jax.parallel.plan import Plan, make_plan
@@ -183,6 +185,10 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   # Process 0 speaks for the job; the others say only where they are.
   log = _logger(log) if job.primary else _quiet(log)
   model = model or load_model_spec(config.model.factory, config.source)
+  if config.model.init_from and model.tokenizer_file is None:
+    log(f"warning: model.init_from: {config.model.init_from} has no {TOKENIZER_FILE}; a "
+        f"{model.vocab_size:,}-token BPE tokenizer is trained on the data instead, whose ids "
+        "are not the tokens these weights learned")
   optimizer = make_optimizer(config.train)
   plan_of = functools.partial(plan_for, config, model)
   plan = plan_of(config.ntp.failed)
@@ -212,6 +218,9 @@ def train(config, *, model: ModelSpec | None = None, log=print,
     dataset.check_batch_size(plan.global_batch)
     if config.checkpoint.enabled and checkpoints is None:
       checkpoints = open_checkpoints(config)
+    if checkpoints is not None and dataset.tokenizer_path and job.primary:
+      # The tokenizer travels with the weights (python -m ntp_jax.interop.export_hf).
+      copy_file(dataset.tokenizer_path, os.path.join(config.checkpoint.dir, TOKENIZER_FILE))
     start = resume_point(config, checkpoints, plan, plan_of, log)
   except BaseException:
     if checkpoints is not None:  # orbax's threads must stop before the process ends
