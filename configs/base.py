@@ -75,7 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.eval_every = 50  # validation loss every N steps and at the end (0 = off)
   c.train.eval_sequences = 32  # held-out sequences in the validation loss (a fixed set)
   c.train.tensorboard = False  # also metrics as TensorBoard event files in WORKDIR/tensorboard
-  c.train.plot = True  # WORKDIR/goodput.png (loss, tokens/s, events) at the end
+  c.train.plot = True  # WORKDIR/goodput.png at the end: the whole run across resumes, events marked
 
   c.checkpoint = ml_collections.ConfigDict()
   # Steps between checkpoints (also one at the end and on SIGTERM/SIGINT); 0 = off.

@@ -1,4 +1,5 @@
-"""Goodput accounting: a run's wall time split into named buckets, and its plot.
+"""Goodput accounting: a run's wall time split into named buckets (the plot of a whole run is
+``ntp_jax.train.run_plot``).
 
 Buckets: ``productive`` (steps that advance training, after their program
 was compiled), ``compile`` (the first step of each newly built set of
@@ -16,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
 
 BUCKETS = ("productive", "compile", "reconfigure", "checkpoint_save", "checkpoint_restore",
            "redone", "eval", "idle")
@@ -64,38 +64,3 @@ class GoodputClock:
              if seconds > 0]
     return (f"goodput {self.goodput():.3f} over {wall:.1f} s wall, "
             f"{self.effective_tokens_per_s():,.0f} effective tokens/s\n  " + ", ".join(parts))
-
-
-def plot_run(records: list[dict[str, Any]], events: list[dict[str, Any]], path: str) -> None:
-  """PNG of loss and tokens/s per step, failure and repair events marked.
-
-  Args:
-    records: step records (``step``, ``loss``, ``tokens``, ``step_time_s``).
-    events: ``{"step": int, "label": str, "kind": "fail" | "repair"}``.
-    path: the PNG file to write.
-  """
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  from matplotlib.ticker import MaxNLocator
-
-  # A step run again (after a restart) is drawn once, with its last record.
-  records = list({r["step"]: r for r in records}.values())
-  records.sort(key=lambda r: r["step"])
-  steps = [r["step"] for r in records]
-  fig, (loss_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-  speed_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-  loss_ax.plot(steps, [r["loss"] for r in records], lw=1)
-  loss_ax.set_ylabel("loss")
-  speed_ax.plot(steps, [r["tokens"] / r["step_time_s"] for r in records], lw=1)
-  speed_ax.set_ylabel("tokens / s")
-  speed_ax.set_xlabel("step")
-  for event in events:
-    color = "tab:red" if event["kind"] == "fail" else "tab:green"
-    for ax in (loss_ax, speed_ax):
-      ax.axvline(event["step"], color=color, ls="--", lw=1)
-    loss_ax.annotate(event["label"], (event["step"], 0.97), xycoords=("data", "axes fraction"),
-                     rotation=90, va="top", ha="right", fontsize=7, color=color)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)

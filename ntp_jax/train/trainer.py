@@ -27,7 +27,6 @@ from ntp_jax.layers.shard import replica_view
 from ntp_jax.parallel.distributed import check_domains, join, ordered_devices
 from ntp_jax.parallel.plan import Plan, make_plan
 from ntp_jax.parallel.sync import sync_traffic
-from ntp_jax.resilience.goodput import plot_run
 from ntp_jax.resilience.signals import StopSignals
 from ntp_jax.sharding.topology import is_mine
 from ntp_jax.state.checkpoint import Checkpoints
@@ -53,6 +52,7 @@ from ntp_jax.train.optim import make_optimizer
 from ntp_jax.train.report import parameter_table
 from ntp_jax.train.resources import check_footprint
 from ntp_jax.train.resume import ResumePoint, check_resumable, resume_point
+from ntp_jax.train.run_plot import gather_series, plot_series, run_title
 
 
 @dataclasses.dataclass
@@ -350,6 +350,7 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
       writer.event("end", step=run.step, checkpoint=where)
       if where:
         log(f"checkpoint written to {where}")
+    plot(run, config, log)
   finally:
     writer.close()
   return TrainResult(plan=run.plan, metrics_path=writer.path, losses=run.losses,
@@ -377,14 +378,20 @@ def closing_summary(records: list[dict[str, Any]], wall_s: float, metrics_path: 
 
 
 def finish(run: TrainingRun, config: RunConfig, log) -> None:
-  """Closing summary: the run's figures, goodput buckets, program cache, the plot."""
+  """Closing summary: the run's figures, goodput buckets, program cache."""
   log(closing_summary(run.records, run.clock.wall(), run.writer.path))
   log(run.clock.summary())
   if run.redone_steps:
     log(f"redone: {run.redone_steps} step(s)")
   if run.marks:
     log(f"programs: {run.cache.hits} cache hit(s), {run.cache.misses} compiled")
+
+
+def plot(run: TrainingRun, config: RunConfig, log) -> None:
+  """``WORKDIR/goodput.png`` of the whole run, every session of ``metrics.jsonl``
+  (``train.run_plot``): with ``train.plot``, or whenever a failure or repair happened."""
   if run.records and (run.marks or config.train.plot) and jax.process_index() == 0:
     path = os.path.join(config.workdir, "goodput.png")
-    plot_run(run.records, run.marks, path)
+    series = gather_series(run.writer.path)
+    plot_series(series, path, run_title(config.workdir, config.source.model, series))
     log(f"plot: {path}")
