@@ -8,6 +8,7 @@ vocabulary 300 and d_ff 44 split unevenly.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -235,6 +236,8 @@ def test_command_on_a_run_checkpoint_in_a_new_process(run_dir):
   assert done.returncode == 0, done.stderr
   assert done.stdout.startswith("The plan")
   assert "checkpoint" in done.stderr and "TP degree 7" in done.stderr
+  # The tokenizer the trainer keeps beside the checkpoints.
+  assert f"tokenizer: {os.path.join(run_dir, 'checkpoints', 'tokenizer.json')}\n" in done.stderr
   # The step folder and the checkpoints folder name the same model: the same text.
   again = subprocess.run(
       [sys.executable, "-m", "ntp_jax.generate", "--from", os.path.join(run_dir, "checkpoints",
@@ -298,3 +301,19 @@ def test_bad_input_is_one_line_naming_it_and_status_2(kind, folder, tmp_path, ca
 def test_missing_prompt_is_named(capsys):
   assert main(["--from", "hf:x"]) == 2
   assert "--prompt" in capsys.readouterr().err
+
+
+def test_a_run_without_the_tokenizer_beside_its_checkpoints(run_dir, tmp_path, capsys):
+  """Older runs: the tokenizer of the trainer's data cache; none at all is one line."""
+  copy = str(tmp_path / "run")
+  shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("compile_cache"))
+  os.remove(os.path.join(copy, "checkpoints", "tokenizer.json"))
+  args = ["--from", copy, "--prompt", "The plan", "--max-new-tokens", "4"]
+  assert main(args) == 0
+  out, err = capsys.readouterr()
+  assert out.startswith("The plan")
+  assert f"tokenizer: {os.path.join(copy, 'data')}" in err
+  shutil.rmtree(os.path.join(copy, "data"))
+  assert main(args) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "--from: no tokenizer for this run" in err, err

@@ -182,6 +182,7 @@ def _generate(args, overrides: dict[str, str], tp: int) -> int:
                       f"({jax.devices()[0].platform})")
   log = lambda line: print(line, file=sys.stderr)  # noqa: E731
   log(f"model: {origin.description}")
+  log(f"tokenizer: {origin.tokenizer}")
   start = time.perf_counter()
   model, mesh = place(origin, tp, tuple(failed), weights)
   layouts = model.layouts
@@ -192,7 +193,7 @@ def _generate(args, overrides: dict[str, str], tp: int) -> int:
   out = decoder.generate(prompt[None], args.max_new_tokens, seed=args.seed,
                          stop_token=codec.stop_token)
   new = [int(t) for t in out.tokens[0]]
-  print(codec.decode(list(prompt) + new))
+  print(codec.decode(list(prompt) + new), flush=True)  # before the closing stderr line
   stopped = " (stopped at the end-of-text token)" if codec.stop_token in new else ""
   steps = max(len(new) - 1, 1)
   log(f"{len(new)} new tokens{stopped}, {sampling.describe()}: compiled in {out.compile_s:.2f} s, "

@@ -22,6 +22,7 @@ from flax import nnx
 
 import configs.base
 from models.gpt import GPT, GPTConfig, hf_folder, model_layouts
+from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.errors import ConfigError
 from ntp_jax.interop import hf_llama
 from ntp_jax.layers.shard import replica_view
@@ -148,7 +149,7 @@ def _from_checkpoint(where: str, overrides: dict[str, Any], step: int | None) ->
     source = CheckpointParams(checkpoints, step)
   finally:
     checkpoints.close()
-  tokenizer = run_tokenizer(config, [workdir, config.get("workdir", "")])
+  tokenizer = run_tokenizer(config, directory, workdir)
   return Origin(cfg, source, tokenizer, special_tokens=False,
                 max_len=int(config["train"]["seq_len"]),
                 max_len_field=f"train.seq_len of checkpoint {checkpoints.step_dir(step)}",
@@ -166,32 +167,34 @@ def _hf_shape(section: dict, where: str) -> dict[str, Any]:
     raise CheckpointError(f"checkpoint {where}: its config: {err}") from None
 
 
-def run_tokenizer(config: dict, workdirs: list[str]) -> str | None:
-  """The tokenizer a run encoded its text with, or None (token ids from a ``.bin`` file).
+def run_tokenizer(config: dict, directory: str, workdir: str) -> str:
+  """The tokenizer a run encoded its text with.
 
-  A run from ``model.init_from="hf:FOLDER"`` used the folder's
-  ``tokenizer.json`` when it had one; otherwise the trainer keeps the
-  tokenizer in its data cache, ``WORKDIR/data/<entry>/tokenizer.json``
-  (``ntp_jax.data.make_dataset``): the entry there, or the newest of several.
+  The trainer keeps it beside the checkpoints (``directory/tokenizer.json``).
+  For runs older than that copy: the ``hf:`` folder's ``tokenizer.json`` of
+  ``model.init_from``, else the one in the trainer's data cache,
+  ``workdir/data/<entry>/tokenizer.json`` (``ntp_jax.data.make_dataset``;
+  the newest of several), ``workdir`` being the folder above ``directory``.
 
   Raises:
-    ConfigError: naming ``--from`` when no tokenizer is found.
+    ConfigError: naming ``--from`` when there is none (a run on ``.bin`` token ids).
   """
+  beside = os.path.join(directory, TOKENIZER_FILE)
+  if os.path.isfile(beside):
+    return beside
   init_from = config["model"].get("init_from", "")
   if init_from.startswith(HF_PREFIX):
     given = hf_llama.tokenizer_file(init_from[len(HF_PREFIX):])
     if given is not None:
       return given
-  data_path = config.get("data", {}).get("path", "")
-  found = sorted({p for w in workdirs if w
-                  for p in glob.glob(os.path.join(w, "data", "*", "tokenizer.json"))},
+  found = sorted(glob.glob(os.path.join(workdir, "data", "*", TOKENIZER_FILE)),
                  key=os.path.getmtime)
-  if not found:
-    what = (f"the run read token ids from {data_path}" if data_path.endswith(".bin")
-            else "no WORKDIR/data/*/tokenizer.json")
-    raise ConfigError(f"--from: no tokenizer for this run ({what}; looked in "
-                      f"{', '.join(w for w in workdirs if w)})")
-  return found[-1]
+  if found:
+    return found[-1]
+  data_path = config.get("data", {}).get("path", "")
+  what = (f"the run read token ids from {data_path}" if data_path.endswith(".bin")
+          else f"no {TOKENIZER_FILE} in {directory} or {os.path.join(workdir, 'data')}")
+  raise ConfigError(f"--from: no tokenizer for this run ({what})")
 
 
 class CheckpointParams(BaseSource):
