@@ -245,8 +245,12 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
   if source is None:
     source = InitSource(lambda: make_model(plan.logical_layouts))
   shapes = plan_shapes(plan, make_model, optimizer, devices, cache, settings)
-  if jax.process_count() > 1:  # one collective read for every class (see ntp_jax.state.spanning)
-    source = SpanningSource(source, shapes.targets[0][1], shapes.meshes, shapes.t_min)
+  if jax.process_count() > 1 and not getattr(source, "spans_processes", False):
+    # One collective read for every class (see ntp_jax.state.spanning); a source that
+    # moves its own state across processes (live DP peers) says how.
+    over = getattr(source, "over_processes", None)
+    args = (shapes.targets[0][1], shapes.meshes, shapes.t_min)
+    source = over(*args) if over is not None else SpanningSource(source, *args)
   programs = []
   for replica_class, mesh, (graphdef, target) in zip(plan.classes, shapes.meshes, shapes.targets):
     if not holds_mine(mesh):  # another process's class: its state stays abstract here

@@ -15,6 +15,7 @@ failure); the live reshard from DP peers is our own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from ntp_jax.sharding.mesh import DP, TP
 from ntp_jax.state.peer_supply import Holder, Supply, SupplyChoice
+from ntp_jax.state.peer_transfer import CrossProcessPeers
 from ntp_jax.state.placement import (
   BaseSource,
   Leaf,
@@ -69,17 +71,22 @@ class PeerSource(BaseSource):
     dead: devices that failed (never read).
     min_degree: the new plan's smallest TP degree: every target class then
       asks for the same even split, and the old state is moved to it once.
+    devices: the job's devices; in a multi-process job the live ones carry the
+      moves between processes (``over_processes``).
 
   Raises (from ``read``):
     LookupError: some piece has no live copy in any replica (then the
       caller falls back to the last checkpoint).
   """
 
-  def __init__(self, programs: list, dead: set[jax.Device], min_degree: int | None = None):
+  def __init__(self, programs: list, dead: set[jax.Device], min_degree: int | None = None,
+               devices: Sequence[jax.Device] | None = None):
     self.programs = programs
     self.dead = dead
+    self.devices = list(devices) if devices is not None else None
     self.min_degree = min_degree
     self.copied_bytes = 0  # bytes copied between devices for the new plan
+    self.crossed_bytes = 0  # of those, bytes that changed process
     self._leaves: dict[int, dict[Path, Leaf]] = {}
     self._node_index: dict[int, dict[Path, Any]] = {}
     self._moved: dict[Any, Any] = {}
@@ -163,6 +170,20 @@ class PeerSource(BaseSource):
     leaves, _, nodes = leaves_of({"params": program.params, "opt_state": program.opt_state})
     self._leaves[id(program)] = {leaf.path: leaf for leaf in leaves}
     self._node_index[id(program)] = {leaf.path: node for leaf, node in zip(leaves, nodes)}
+
+  def over_processes(self, target: Any, meshes: list, t_min: int) -> CrossProcessPeers:
+    """A multi-process job: the new plan's state spanning its replicas, moved from the live
+    old classes in one program over the live devices (``peer_transfer``).
+
+    Raises:
+      LookupError: some piece has no live copy (then the caller restores a checkpoint).
+    """
+    devices = self.devices if self.devices is not None else jax.devices()
+    live = [d for d in devices if d not in self.dead]
+    moved = CrossProcessPeers(self.programs, self.dead, live, target, meshes, t_min)
+    self.copied_bytes += moved.copied_bytes
+    self.crossed_bytes = moved.crossed_bytes
+    return moved
 
   def pieces(self, leaf: Leaf) -> int:
     """Even pieces for ``leaf``: a split the source class and every target class can hold."""

@@ -99,29 +99,22 @@ def read_logical_spanning(classes: list[tuple[Any, Mesh]], t_min: int) -> dict[P
       dtype=leaf.dtype) for leaf in leaves}
 
 
-class SpanningSource(BaseSource):
-  """Wraps a ``LogicalSource`` for a multi-process job: one collective read of every
-  leaf over every replica (``spanning_sharding``), then each class placed from the
-  pieces its devices hold (``placement.place_logical`` asks through ``read_blocks``,
-  ``read`` and ``pieces``).
+class SpanningArrays(BaseSource):
+  """Logical arrays spanning every process (``spanning_sharding``) as a ``LogicalSource``:
+  each class is placed from the pieces its devices hold (``placement.place_logical``
+  asks through ``read_blocks``, ``read`` and ``pieces``).
 
   Args:
-    source: the source to read (a checkpoint, an initialiser, a Hugging Face folder).
-    target: the first class's abstract state (its leaves name the logical arrays).
-    meshes: every class's mesh, in plan order. t_min: the smallest TP degree.
+    arrays: ``path -> jax.Array`` in the spanning sharding over the classes' rows.
+    t_min: the split's bound: ``k = job_pieces(leaf, t_min)``.
   """
 
-  def __init__(self, source: LogicalSource, target: Any, meshes: list[Mesh], t_min: int):
-    self.source = source
+  spans_processes = True  # build_class_programs places it as it is
+
+  def __init__(self, arrays: dict[Path, jax.Array], t_min: int):
     self.t_min = t_min
-    leaves, _, _ = leaves_of(target)
-    available = source.paths()
-    wanted = [leaf for leaf in leaves if available is None or leaf.path in available]
-    rows = [list(row) for mesh in meshes for row in mesh.devices]
-    requests = {leaf.path: leaf.abstract(spanning_sharding(leaf, rows, job_pieces(leaf, t_min)))
-                for leaf in wanted}
-    self._arrays = source.read(requests) if requests else {}
-    self._paths = set(requests)
+    self._arrays = arrays
+    self._paths = set(arrays)
 
   def paths(self) -> set[Path]:
     return set(self._paths)
@@ -130,7 +123,7 @@ class SpanningSource(BaseSource):
     return job_pieces(leaf, self.t_min)
 
   def describe(self) -> str:
-    return f"{self.source.describe()}, read once over every process"
+    return "logical arrays over every process"
 
   def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
@@ -153,6 +146,31 @@ class SpanningSource(BaseSource):
           request.shape, sharding,
           [by_device[d] for d in mine(sharding.mesh)], dtype=request.dtype)
     return out
+
+
+class SpanningSource(SpanningArrays):
+  """Wraps a ``LogicalSource`` for a multi-process job: one collective read of every
+  leaf over every replica (``spanning_sharding``), then each class placed from the
+  pieces its devices hold (``SpanningArrays``).
+
+  Args:
+    source: the source to read (a checkpoint, an initialiser, a Hugging Face folder).
+    target: the first class's abstract state (its leaves name the logical arrays).
+    meshes: every class's mesh, in plan order. t_min: the smallest TP degree.
+  """
+
+  def __init__(self, source: LogicalSource, target: Any, meshes: list[Mesh], t_min: int):
+    self.source = source
+    leaves, _, _ = leaves_of(target)
+    available = source.paths()
+    wanted = [leaf for leaf in leaves if available is None or leaf.path in available]
+    rows = [list(row) for mesh in meshes for row in mesh.devices]
+    requests = {leaf.path: leaf.abstract(spanning_sharding(leaf, rows, job_pieces(leaf, t_min)))
+                for leaf in wanted}
+    super().__init__(source.read(requests) if requests else {}, t_min)
+
+  def describe(self) -> str:
+    return f"{self.source.describe()}, read once over every process"
 
 
 def processes_without_pieces(classes: list[tuple[Any, Mesh]], t_min: int) -> dict[int, str]:

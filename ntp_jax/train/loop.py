@@ -123,6 +123,7 @@ class TrainingRun:
     self.records: list[dict[str, Any]] = []
     self.marks: list[dict[str, Any]] = []  # failure / repair events, for the plot
     self.moved_bytes = 0
+    self.lost_devices: set = set()  # devices of processes lost (recoverable mode)
     self.redone_steps = 0  # steps whose work was thrown away (cut inside, or run again)
 
   # -- building -------------------------------------------------------------------------------
@@ -183,7 +184,9 @@ class TrainingRun:
 
   def _lower_plan(self, plan: Plan, programs: list, dead: set) -> list:
     """The programs a move from ``programs`` onto ``plan`` and its first step run, lowered."""
-    if self.config.ntp.recovery == "live":
+    if jax.process_count() > 1:  # the moves across processes are made by the recovery
+      source = None
+    elif self.config.ntp.recovery == "live":
       source = PeerSource(programs, dead, min_degree=plan.t_min)
     else:  # the restart path restores a checkpoint, whichever step it holds
       source = CheckpointShapes()
@@ -257,11 +260,6 @@ class TrainingRun:
     self.recovery = {"start": start, "compiled": compiled, "plan_s": plan_s, "wait_s": wait_s,
                      "ahead": ahead, "cut": bool(redo)}
     live = self.config.ntp.recovery == "live"
-    if live and jax.process_count() > 1:
-      # A failed slot's shards are copied device to device from a DP peer; across
-      # processes that copy is not written yet, so the state comes from the checkpoint.
-      self.log("  live recovery runs within one process only; restoring the last checkpoint")
-      live = False
     if live:
       moving = time.perf_counter()
       # Without compiling ahead, the moves of a plan met before are cached: say nothing of it.
@@ -269,7 +267,8 @@ class TrainingRun:
                else " (programs not compiled ahead: compiling them now)")
       self.log(f"  moving the state from DP peers onto the new plan{state}")
       poison(self.programs, dead)
-      source = PeerSource(self.programs, dead, min_degree=plan.t_min)
+      source = PeerSource(self.programs, dead | self.lost_devices, min_degree=plan.t_min,
+                          devices=self.devices)
       try:
         self.build(plan, source)
       except LookupError as err:
@@ -283,8 +282,12 @@ class TrainingRun:
       self.moved_bytes += source.copied_bytes
       self.recovery.update(path="live", move_s=move_s, copied_bytes=source.copied_bytes,
                            seconds=time.perf_counter() - start)
+      if jax.process_count() > 1:
+        self.recovery["crossed_bytes"] = source.crossed_bytes
+      across = (f" ({source.crossed_bytes / 1e6:.2f} MB between processes)"
+                if jax.process_count() > 1 else "")
       self.log(f"  live: state moved from DP peers, {source.copied_bytes / 1e6:.2f} MB copied "
-               f"between devices, in {move_s:.2f} s")
+               f"between devices{across}, in {move_s:.2f} s")
     else:
       self.restart(plan)
 
@@ -324,7 +327,7 @@ class TrainingRun:
       return
     r, self.recovery = self.recovery, None
     fields = {k: r[k] for k in ("path", "seconds", "plan_s", "wait_s", "move_s", "copied_bytes",
-                                "redo") if k in r}
+                                "crossed_bytes", "redo") if k in r}
     fields["compile_s"] = round(compile_seconds() - r["compiled"], 3)
     fields["compiled_ahead"] = r["ahead"]
     if first_step_s is not None:
