@@ -92,6 +92,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed.process_id = -1  # this process's index (-1: from the launcher or the cluster)
   c.distributed.processes_per_domain = 1  # consecutive processes forming one scale-up domain
   c.distributed.heartbeat_timeout_s = 30.0  # a silent process is lost after this; others stop
+  # The survivors write the last completed step as a checkpoint within this many seconds
+  # before they stop (a just-in-time checkpoint); 0: off
+  c.distributed.jit_checkpoint_s = 60.0
+  # The survivors go on training with their replicas instead of stopping (JAX's
+  # jax_enable_recoverability; docs/multihost.md says what it needs and cannot survive)
+  c.distributed.recoverable = False
 
   c.compile = ml_collections.ConfigDict()
   # JAX's persistent compilation cache (a restart loads its programs): a folder, "none", or ""

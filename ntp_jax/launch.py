@@ -53,7 +53,8 @@ def _pump(stream, prefix: str, out) -> None:
 
 
 def launch(command: list[str], processes: int, *, devices_per_process: int | None = None,
-           grace_s: float = 10.0, port: int | None = None) -> int:
+           grace_s: float = 10.0, port: int | None = None, survivor_s: float = 60.0,
+           run_on: bool = False) -> int:
   """Run ``command`` ``processes`` times as one job; returns the job's exit status.
 
   Args:
@@ -62,6 +63,11 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
     devices_per_process: CPU devices each simulates (``XLA_FLAGS``); default:
       ``train.py`` derives it from ``mesh.dp * mesh.tp / processes``.
     grace_s: seconds between SIGTERM and SIGKILL when stopping the others.
+    survivor_s: after a process fails, seconds the others get to end by themselves
+      (they name the lost process and may write a just-in-time checkpoint,
+      ``distributed.jit_checkpoint_s``) before they are stopped.
+    run_on: never stop the others after a failure (``distributed.recoverable``: they go
+      on without the failed process); the status is then the survivors'.
     port: the coordinator's port (default: a free one).
 
   Returns:
@@ -84,27 +90,40 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
                             daemon=True)
     pump.start()
     pumps.append(pump)
-  status = 0
+  codes: dict[int, int] = {}  # exit status by process, in the order they ended
+  first_failed = None
+  failed_at = None  # when the first process failed: the others' time runs from there
   try:
     running = set(range(processes))
     while running:
+      if failed_at is not None and not run_on and time.monotonic() - failed_at > survivor_s:
+        print(f"[launch] stopping processes {sorted(running)} ({survivor_s:g} s after the "
+              "failure)", file=sys.stderr, flush=True)
+        _stop(children, running, grace_s)
+        failed_at = float("inf")
       for i in sorted(running):
         code = children[i].poll()
         if code is None:
           continue
         running.discard(i)
-        if code != 0 and status == 0:
-          status = code if code > 0 else 128 - code
-          print(f"[launch] process {i} exited with status {status}; stopping the others",
+        codes[i] = code if code >= 0 else 128 - code
+        if codes[i] != 0 and first_failed is None:
+          first_failed, failed_at = i, time.monotonic()
+          then = ("the others run on" if run_on else
+                  f"the others have {survivor_s:g} s to end by themselves")
+          print(f"[launch] process {i} exited with status {codes[i]}; {then}",
                 file=sys.stderr, flush=True)
-          _stop(children, running, grace_s)
       time.sleep(0.1)
   except KeyboardInterrupt:
     _stop(children, set(range(processes)), grace_s)
-    status = 130
+    return 130
   for pump in pumps:
     pump.join(timeout=5)
-  return status
+  if first_failed is None:
+    return 0
+  if run_on:  # the survivors' own statuses: 0 when every one of them finished
+    return next((c for i, c in codes.items() if i != first_failed and c != 0), 0)
+  return codes[first_failed]
 
 
 def _stop(children, which, grace_s: float) -> None:
@@ -128,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--processes", type=int, required=True, help="processes to start")
   parser.add_argument("--devices-per-process", type=int, default=None,
                       help="CPU devices per process (default: mesh.dp * mesh.tp / processes)")
+  parser.add_argument("--survivor-time", type=float, default=60.0,
+                      help="after a process fails, seconds the others get to end by themselves "
+                           "(a just-in-time checkpoint) before they are stopped")
+  parser.add_argument("--run-on", action="store_true",
+                      help="never stop the others after a failure (distributed.recoverable: "
+                           "they go on without it); the status is then theirs")
   parser.add_argument("--grace", type=float, default=10.0,
                       help="seconds between SIGTERM and SIGKILL when stopping the others")
   parser.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
@@ -139,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.processes < 1:
     parser.error(f"--processes: must be >= 1, got {args.processes}")
   return launch(command, args.processes, devices_per_process=args.devices_per_process,
-                grace_s=args.grace, port=args.port)
+                grace_s=args.grace, port=args.port, survivor_s=args.survivor_time,
+                run_on=args.run_on)
 
 
 if __name__ == "__main__":

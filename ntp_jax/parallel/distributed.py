@@ -21,6 +21,7 @@ compiled programs whose meshes hold some of them. This module
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -51,6 +52,7 @@ class Settings:
   process_id: int | None
   heartbeat_timeout_s: float
   processes_per_domain: int
+  recoverable: bool = False
 
 
 def settings_from_config(distributed: Any, environ: dict[str, str] | None = None
@@ -85,11 +87,11 @@ def settings_from_config(distributed: Any, environ: dict[str, str] | None = None
                         f"{coordinator}, got {num}")
     if not 0 <= pid < num:
       raise ConfigError(f"distributed.process_id: must be in 0..{num - 1}, got {pid}")
-    return Settings(coordinator, num, pid, timeout, per_domain)
+    return Settings(coordinator, num, pid, timeout, per_domain, distributed.recoverable)
   if num == 1:
     return None
   if _cluster_processes(env) > 1:
-    return Settings(None, None, None, timeout, per_domain)
+    return Settings(None, None, None, timeout, per_domain, distributed.recoverable)
   return None
 
 
@@ -114,13 +116,20 @@ def initialize(settings: Settings) -> None:
   """Join the job: ``jax.distributed.initialize`` (gloo collectives on CPU).
 
   JAX's own heartbeat is set well above ``heartbeat_timeout_s`` so that the
-  ``Heartbeat`` watchdog, which names the lost process, speaks first.
+  ``Heartbeat`` watchdog, which names the lost process, speaks first, and the
+  survivors have time for a just-in-time checkpoint before JAX ends them. With
+  ``recoverable``, ``jax_enable_recoverability`` is set first: JAX then ends no
+  survivor, and its heartbeat is ours.
   """
   # CPU collectives across processes need gloo; harmless where another platform is used.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  timeout = settings.heartbeat_timeout_s
+  if settings.recoverable:
+    jax.config.update("jax_enable_recoverability", True)
+  jax_timeout = max(1, math.ceil(timeout)) if settings.recoverable else int(3 * timeout + 30)
   jax.distributed.initialize(
       settings.coordinator, settings.num_processes, settings.process_id,
-      heartbeat_timeout_seconds=int(3 * settings.heartbeat_timeout_s + 30))
+      heartbeat_timeout_seconds=jax_timeout)
 
 
 def ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
@@ -164,6 +173,8 @@ class Job:
   heartbeat: Heartbeat | None = None
   processes_per_domain: int = 1
   client: object | None = None  # the coordination service's key-value client
+  recoverable: bool = False  # survivors of a lost process go on (distributed.recoverable)
+  jit_checkpoint_s: float = 0.0  # else they write the last step first (0: they do not)
 
   def stop_agreement(self) -> StopAgreement | None:
     return StopAgreement(self.client) if self.multi_process else None
@@ -204,9 +215,16 @@ def join(distributed: Any) -> Job:
   from jax._src import distributed as jax_distributed  # the runtime's key-value client
 
   heartbeat = None
+  takes_over = settings.recoverable or distributed.jit_checkpoint_s > 0
   if jax.process_count() > 1:
+    # The main thread takes over a loss at the next step boundary (it goes on, or writes a
+    # just-in-time checkpoint); a main thread stuck in a collective does not: then the
+    # heartbeat ends the process itself, after a short grace.
     heartbeat = Heartbeat(jax_distributed.global_state.client, jax.process_index(),
-                          jax.process_count(), settings.heartbeat_timeout_s).start()
+                          jax.process_count(), settings.heartbeat_timeout_s,
+                          takeover_s=(settings.heartbeat_timeout_s / 3 + 1.0) if takes_over
+                          else None).start()
   _JOINED = Job(jax.process_index(), jax.process_count(), heartbeat,
-                settings.processes_per_domain, jax_distributed.global_state.client)
+                settings.processes_per_domain, jax_distributed.global_state.client,
+                settings.recoverable, distributed.jit_checkpoint_s)
   return _JOINED

@@ -44,21 +44,32 @@ class JobStep:
   and joins the cross-class all-reduce when it holds a core slot; the loss
   comes back from the all-reduce, so no process reads another's devices.
 
+  Args:
+    plan, programs: the plan and its class programs (``programs.build_class_programs``).
+    cache: where the cross-class sync is kept.
+    split: the programs were built split (``build_class_programs(split=True)``): the
+      gradient sync runs as its own program even with one class.
+    before_sync: called after the gradients and before the sync (the step's first
+      collective across processes when every TP group lies in one process): the
+      arrival check of ``resilience.arrival``. What it raises leaves the state as it was.
+
   Raises:
     ValueError: this process holds no device of the plan.
   """
 
   def __init__(self, plan: Plan, programs: list[ClassProgram],
-               cache: ProgramCache | None = None):
+               cache: ProgramCache | None = None, *, split: bool = False,
+               before_sync: Callable[[], None] | None = None):
     self.plan = plan
     self.programs = programs
+    self.before_sync = before_sync
     self.local = [holds_mine(p.mesh) for p in programs]
     if not any(self.local):
       raise ValueError(f"process {jax.process_index()} holds no live device of the plan "
                        f"(TP degrees {[r.degree for r in plan.replicas]})")
     self.sync = None
     self.sync_key = None
-    if len(programs) > 1:
+    if len(programs) > 1 or split:
       meshes, t_min = [p.mesh for p in programs], min(c.degree for c in plan.classes)
       self.sync_key, self.sync = cached_sync(cache or ProgramCache(), meshes, t_min)
 
@@ -118,6 +129,9 @@ class JobStep:
     for program, local, (start, _) in zip(self.programs, self.local, self.plan.class_rows()):
       buffers.append(program.step.gradients(program.params, class_batch(program, batch, start))
                      if local else None)
+    if self.before_sync is not None:
+      jax.block_until_ready(buffers)  # the gradients are this process's own work: done first
+      self.before_sync()
     return self.sync(buffers)
 
   def __call__(self, batch: Any) -> dict[str, jax.Array]:

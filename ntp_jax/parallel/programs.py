@@ -221,7 +221,8 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
                          source: LogicalSource | None = None,
                          cache: ProgramCache | None = None,
                          loss: Callable[..., Any] = default_loss,
-                         optimizer_key: Hashable | None = None) -> list[ClassProgram]:
+                         optimizer_key: Hashable | None = None,
+                         split: bool = False) -> list[ClassProgram]:
   """Place every class's parameters and optimizer state and make its step.
 
   Args:
@@ -235,6 +236,9 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
     loss: ``(module, tokens, targets) -> f32`` sum over a device's rows.
     optimizer_key: names the optimizer's settings in the cache key
       (``steps.StepSettings``); default: the optimizer object.
+    split: the gradient and update halves even with one class (``steps.SplitStep``),
+      so that a multi-process job checks every process's arrival between them
+      (``resilience.arrival``).
 
   Raises:
     ValueError: the source holds part of the optimizer state only.
@@ -267,7 +271,7 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
       raise ValueError(f"optimizer state: the source holds {len(opt_paths)} of "
                        f"{len(jax.tree.leaves(target['opt_state']))} leaves")
     key, step = cached_step(cache, replica_class, graphdef, state["params"], opt_state, mesh,
-                            settings, classes=len(plan.classes), t_min=shapes.t_min,
+                            settings, classes=len(plan.classes) + split, t_min=shapes.t_min,
                             regroups=shapes.regroups)
     programs.append(ClassProgram(replica_class, mesh, graphdef, state["params"], opt_state, step,
                                  key))
@@ -285,8 +289,8 @@ def lower_plan(plan: Plan, make_model: Callable[[Any], nnx.Module],
                optimizer: optax.GradientTransformation, clip_norm: float, seq_len: int,
                devices: Sequence[jax.Device], *, cache: ProgramCache,
                source: LogicalSource | None = None, loss: Callable[..., Any] = default_loss,
-               optimizer_key: Hashable | None = None, skip: Collection[Hashable] = ()
-               ) -> list[tuple[str, Hashable, jax.stages.Lowered]]:
+               optimizer_key: Hashable | None = None, skip: Collection[Hashable] = (),
+               split: bool = False) -> list[tuple[str, Hashable, jax.stages.Lowered]]:
   """Every program a move onto ``plan`` and its first step run, lowered ahead of time.
 
   The steps (and the cross-class sync) are made through ``cache`` under the
@@ -297,7 +301,8 @@ def lower_plan(plan: Plan, make_model: Callable[[Any], nnx.Module],
   classes from it are included (``placement.lower_placement``; left out when
   the source cannot tell them). Only classes with a device in this process.
   Steps and syncs whose cache key is in ``skip`` (compiled already: a class
-  shared by several reachable plans) are left out.
+  shared by several reachable plans) are left out. ``split``: as
+  ``build_class_programs``'s.
 
   Returns:
     ``(what, cache key or None, lowered)`` per program, in the order a
@@ -315,8 +320,8 @@ def lower_plan(plan: Plan, make_model: Callable[[Any], nnx.Module],
                 for lowered in lower_placement(target, mesh, source) or []]
     state = sharded_abstract(target, mesh)
     key, step = cached_step(cache, replica_class, graphdef, state["params"], state["opt_state"],
-                            mesh, settings, classes=len(plan.classes), t_min=shapes.t_min,
-                            regroups=shapes.regroups, record=False)
+                            mesh, settings, classes=len(plan.classes) + split,
+                            t_min=shapes.t_min, regroups=shapes.regroups, record=False)
     batch = jax.ShapeDtypeStruct((replica_class.batch_rows, seq_len + 1), np.int32,
                                  sharding=NamedSharding(mesh, P(DP)))
     if key not in skip:
@@ -324,7 +329,7 @@ def lower_plan(plan: Plan, make_model: Callable[[Any], nnx.Module],
                 for lowered in step.lower(state["params"], state["opt_state"], batch)]
     if isinstance(step, SplitStep):
       blocks.append(abstract_sync_blocks(step.grad, state["params"], batch, mesh))
-  if len(plan.classes) > 1 and blocks:
+  if (len(plan.classes) > 1 or split) and blocks:
     key, sync = cached_sync(cache, shapes.meshes, shapes.t_min, record=False)
     if key not in skip:
       steps.append(("cross-class sync", key, sync.lower(blocks)))
@@ -356,7 +361,7 @@ def cached_step(cache: ProgramCache, replica_class: ReplicaClass, graphdef: nnx.
   if fused:
     return key, cache.get(key, what, lambda: FusedStep.build(graphdef, params, opt_state, mesh,
                                                              settings, **micro), record=record)
-  key += (tuple(sorted(regroups.items())),)
+  key += (tuple(sorted((regroups or {}).items())),)
   return key, cache.get(key, what, lambda: SplitStep.build(graphdef, params, opt_state, mesh,
                                                            settings, t_min, regroups, **micro),
                         record=record)

@@ -28,22 +28,34 @@ class Heartbeat:
   thread, so even a main thread blocked in a collective stops. A process
   that ends normally marks itself done first (``stop``) and is not missed.
 
+  With ``takeover_s``, a loss is first offered to the main thread: it is
+  recorded (``lost``, ``lost_processes``) and the main thread, at its next
+  step boundary, calls ``take_over`` and handles it (goes on without the
+  peer, or writes a just-in-time checkpoint). A main thread that does not
+  within ``takeover_s`` is stuck in a collective with the lost peer: then
+  ``on_lost`` ends the process as without it. After a take-over the
+  heartbeat watches the remaining peers.
+
   Args:
     client: ``jax._src.distributed.global_state.client``.
     process_id, num_processes: this process and the job's count.
     timeout_s: ``distributed.heartbeat_timeout_s``.
     on_lost: called once with the message (tests pass their own).
+    takeover_s: seconds the main thread gets to take a loss over; None: no take-over.
   """
 
   def __init__(self, client, process_id: int, num_processes: int, timeout_s: float,
-               on_lost: Callable[[str], None] | None = None):
+               on_lost: Callable[[str], None] | None = None, takeover_s: float | None = None):
     self.client = client
     self.process_id = process_id
     self.num_processes = num_processes
     self.timeout_s = timeout_s
     self.interval_s = max(0.05, timeout_s / 6)
     self.on_lost = on_lost or _exit_lost
+    self.takeover_s = takeover_s
     self.lost: str | None = None
+    self.lost_processes: set[int] = set()  # found lost (offered to the main thread)
+    self._taken = threading.Event()
     now = time.monotonic()
     self._last_change = {p: now for p in range(num_processes) if p != process_id}
     self._last_value: dict[int, str | None] = dict.fromkeys(self._last_change)
@@ -93,18 +105,36 @@ class Heartbeat:
     while not self._stop.wait(self.interval_s):
       now = time.monotonic()
       if now - self._last_ok > self.timeout_s:
-        self._lose(0, "the coordinator (process 0) cannot be reached")
+        self._lose(0, "the coordinator (process 0) cannot be reached", offer=False)
         return
-      for peer, seen in self._last_change.items():
-        if peer not in self._done and now - seen > self.timeout_s:
-          self._lose(peer, f"no heartbeat for {now - seen:.1f} s")
+      lost = [(peer, now - seen) for peer, seen in self._last_change.items()
+              if peer not in self._done and peer not in self.lost_processes
+              and now - seen > self.timeout_s]
+      for peer, silent in lost:
+        if not self._lose(peer, f"no heartbeat for {silent:.1f} s"):
           return
 
-  def _lose(self, peer: int, why: str) -> None:
+  def _lose(self, peer: int, why: str, offer: bool = True) -> bool:
+    """A lost peer; True when the main thread took it over (keep watching the others)."""
     self.lost = (f"lost process {peer} of {self.num_processes}: {why} "
-                 f"(distributed.heartbeat_timeout_s={self.timeout_s:g}); process "
-                 f"{self.process_id} stops; restart the job from its last checkpoint")
-    self.on_lost(self.lost)
+                 f"(distributed.heartbeat_timeout_s={self.timeout_s:g})")
+    if offer and self.takeover_s is not None:
+      self._taken.clear()
+      self.lost_processes.add(peer)
+      if self._taken.wait(self.takeover_s):
+        return True
+      self.on_lost(f"{self.lost}; process {self.process_id} is held in a collective with it "
+                   "and stops; restart the job from its last checkpoint")
+      return False
+    self.on_lost(f"{self.lost}; process {self.process_id} stops; restart the job from its "
+                 "last checkpoint")
+    return False
+
+  def take_over(self) -> set[int]:
+    """The main thread handles the losses found so far (returns them); the heartbeat
+    stops counting down to ending the process, and watches the other peers."""
+    self._taken.set()
+    return set(self.lost_processes)
 
   def wait_for_verdict(self) -> str | None:
     """After an error in a collective: wait up to the timeout for a lost peer to show.

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from ntp_jax.errors import ConfigError
@@ -52,13 +53,16 @@ class Checkpoints:
     directory: the folder (created if missing).
     keep: how many of the newest checkpoints to keep (``checkpoint.keep``).
     asynchronous: write in a background thread after the device-to-host copy.
+    processes: the processes that take part (default: every process of the job);
+      the lowest writes the metadata. A subset is what survives a lost process
+      (``restrict``, ``train.just_in_time``).
 
   Raises:
     CheckpointError: the folder cannot be created or read, naming it.
   """
 
   def __init__(self, directory: str, *, keep: int = 2, asynchronous: bool = True,
-               field: str = "checkpoint.dir"):
+               field: str = "checkpoint.dir", processes: set[int] | None = None):
     if keep < 1:
       raise ConfigError(f"checkpoint.keep: must be >= 1, got {keep}")
     self.directory = os.path.abspath(directory)
@@ -69,17 +73,35 @@ class Checkpoints:
       os.listdir(self.directory)
     except OSError as err:
       raise CheckpointError(f"{field}: cannot use {self.directory} ({err.strerror})") from None
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=asynchronous,
-                                           cleanup_tmp_directories=True)
+    self.keep, self.asynchronous = keep, asynchronous
+    self.processes = processes
+    self._manager = self._open(processes)
+
+  def _open(self, processes: set[int] | None) -> ocp.CheckpointManager:
+    if processes is None:
+      multiprocessing = ocp.options.MultiprocessingOptions()
+    else:  # orbax's barriers then wait for these processes only
+      multiprocessing = ocp.options.MultiprocessingOptions(
+          primary_host=min(processes), active_processes=set(processes),
+          barrier_sync_key_prefix="ntp_jax_" + "_".join(map(str, sorted(processes))))
+    options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=processes is None,
+                                           enable_async_checkpointing=self.asynchronous,
+                                           cleanup_tmp_directories=True,
+                                           multiprocessing_options=multiprocessing)
     try:
-      self._manager = ocp.CheckpointManager(
+      return ocp.CheckpointManager(
           self.directory, options=options,
           item_handlers={STATE: ocp.StandardCheckpointHandler(),
                          META: ocp.JsonCheckpointHandler()})
     except Exception as err:  # orbax wraps OS errors in several types
       raise CheckpointError(f"checkpoint.dir: cannot open {self.directory} "
                             f"({_one_line(err)})") from None
+
+  def restrict(self, processes: set[int]) -> None:
+    """From now on only ``processes`` take part (the others were lost). A save in flight
+    is abandoned: its commit waits for every process, and is never listed."""
+    self.processes = set(processes)
+    self._manager = self._open(self.processes)
 
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
@@ -111,7 +133,9 @@ class Checkpoints:
 
     Args:
       step: optimizer steps done.
-      logical: ``path -> array`` (``placement.read_logical``).
+      logical: ``path -> array`` (``placement.read_logical``); in a multi-process job
+        whose arrays one process holds whole (the others lost), host copies
+        (numpy), which orbax writes from the first of ``processes``.
       meta: JSON-ready dict (``data_cursor``, ``plan``, ``config``, ...).
 
     The call returns once the arrays are copied off the devices; the write
@@ -122,6 +146,11 @@ class Checkpoints:
     """
     start = time.perf_counter()
     meta = {"format": FORMAT_VERSION, "step": int(step), **meta}
+    if jax.process_count() > 1 and all(
+        getattr(a, "is_fully_addressable", False) for a in logical.values()):
+      # orbax refuses arrays one process holds whole in a multi-process job ("host
+      # local"); the same values as host arrays are written the same way.
+      logical = {path: np.asarray(jax.device_get(a)) for path, a in logical.items()}
     try:
       self._manager.check_for_errors()
       self._manager.save(step, args=ocp.args.Composite(

@@ -107,6 +107,11 @@ class DistributedConfig:
   process_id: int  # -1: from the launcher or the cluster
   processes_per_domain: int
   heartbeat_timeout_s: float
+  # Survivors of a lost process write the last completed step within this many seconds
+  # (a just-in-time checkpoint), then stop; 0: off (docs/multihost.md)
+  jit_checkpoint_s: float
+  # The survivors go on with their replicas (jax_enable_recoverability) instead of stopping
+  recoverable: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +186,9 @@ class RunConfig:
         num_processes=reader.int("distributed.num_processes", low=0),
         process_id=reader.int("distributed.process_id", low=-1),
         processes_per_domain=reader.int("distributed.processes_per_domain", low=1),
-        heartbeat_timeout_s=reader.float("distributed.heartbeat_timeout_s", positive=True))
+        heartbeat_timeout_s=reader.float("distributed.heartbeat_timeout_s", positive=True),
+        jit_checkpoint_s=reader.float("distributed.jit_checkpoint_s", low=0.0),
+        recoverable=reader.bool("distributed.recoverable"))
     data = DataConfig(path=reader.str("data.path"),
                       max_corpus_bytes=reader.int("data.max_corpus_bytes", low=1),
                       val_fraction=reader.float("data.val_fraction", low=0.0))

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from ntp_jax.errors import ConfigError
+from ntp_jax.parallel.distributed import Job
 from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import Plan, micro_batch_text, reachable_failed_sets
 from ntp_jax.parallel.programs import (
@@ -29,8 +30,10 @@ from ntp_jax.parallel.programs import (
   lower_plan,
 )
 from ntp_jax.parallel.steps import default_loss
+from ntp_jax.resilience.arrival import Arrival, ProcessLost
 from ntp_jax.resilience.events import DeviceFailure, Event
 from ntp_jax.resilience.goodput import GoodputClock
+from ntp_jax.sharding.topology import processes_of
 from ntp_jax.state.checkpoint import CheckpointError, CheckpointShapes
 from ntp_jax.state.peer import PeerSource, poison
 from ntp_jax.state.placement import LogicalSource
@@ -39,6 +42,7 @@ from ntp_jax.state.spanning import processes_without_pieces
 from ntp_jax.train.compilation import compile_seconds
 from ntp_jax.train.config import RunConfig
 from ntp_jax.train.hooks import Hook, StepInfo
+from ntp_jax.train.just_in_time import write_just_in_time
 from ntp_jax.train.precompile import PlanJob, Precompiler
 
 
@@ -81,6 +85,11 @@ class TrainingRun:
       model's own initialisation (``InitSource``).
     precompile: compile the plans one failure or repair away in the
       background (``ntp_jax.train.precompile``; ``ntp.precompile`` resolved).
+    job: this process's ``distributed.Job`` (None: one process): with a heartbeat
+      that offers losses to this thread, every step of a plan over several
+      processes checks their arrival before its gradient sync, and a lost
+      process is survived (``distributed.recoverable``: the run goes on without
+      its devices) or its last completed step written (``jit_checkpoint_s``).
   """
 
   def __init__(self, config: RunConfig, *, make_plan: Callable[[frozenset], Plan], make_model,
@@ -88,8 +97,14 @@ class TrainingRun:
                failed: frozenset[tuple[int, int]], loss=default_loss,
                hooks: Sequence[Hook] = (),
                initial_source: Callable[[], LogicalSource] | None = None,
-               precompile: bool = False):
+               precompile: bool = False, job: Job | None = None):
     self.config = config
+    self.job = job
+    self.arrival = None
+    if job is not None and job.multi_process and job.heartbeat is not None and (
+        job.heartbeat.takeover_s is not None):
+      self.arrival = Arrival(job.client, job.process_id, job.heartbeat)
+      self.takeover_base_s = job.heartbeat.takeover_s
     self.initial_source = initial_source
     self.loss = loss
     self.hooks = list(hooks)
@@ -132,11 +147,13 @@ class TrainingRun:
     """Programs of ``plan`` filled from ``source``; the next step compiles unless every program
     was compiled before (a plan met again, or compiled ahead)."""
     self.plan = plan
+    split = self.guarded(plan)
     self.programs = build_class_programs(plan, self.make_model, self.optimizer,
                                          self.config.train.clip_norm, self.global_tokens(plan),
                                          self.devices, source=source, cache=self.cache,
-                                         loss=self.loss)
-    self.job_step = JobStep(plan, self.programs, cache=self.cache)
+                                         loss=self.loss, split=split)
+    self.job_step = JobStep(plan, self.programs, cache=self.cache, split=split,
+                            before_sync=self._arrive if split else None)
     if self.checkpoints is not None and jax.process_count() > 1:
       missing = processes_without_pieces(
           [({"params": p.params, "opt_state": p.opt_state}, p.mesh) for p in self.programs],
@@ -158,6 +175,27 @@ class TrainingRun:
         state = "compiled already" if key in compiled else "compiles with the next step"
         self.log(f"  {what}: {state}")
 
+  def plan_processes(self, plan: Plan) -> set[int]:
+    """The processes whose devices the plan's live replicas use."""
+    return processes_of(self.devices[r.replica * plan.tp + s]
+                        for r in plan.replicas for s in r.live_slots)
+
+  def guarded(self, plan: Plan) -> bool:
+    """Steps of ``plan`` check every process's arrival before their sync: a plan over
+    several processes whose every TP group lies in one (else the gradients themselves
+    cross processes, and a lost process holds the others in them)."""
+    if self.arrival is None or len(self.plan_processes(plan)) < 2:
+      return False
+    return all(len(processes_of(self.devices[r.replica * plan.tp + s] for s in r.live_slots)) == 1
+               for r in plan.replicas)
+
+  def _arrive(self) -> None:
+    self.arrival.wait(self.step, self.plan_processes(self.plan) - self.lost_processes)
+
+  @property
+  def lost_processes(self) -> set[int]:
+    return {d.process_index for d in self.lost_devices}
+
   def global_tokens(self, plan: Plan) -> int:
     """Predicted tokens in one step of ``plan``, over every class."""
     return plan.global_batch * self.config.train.seq_len
@@ -167,9 +205,13 @@ class TrainingRun:
     current one (``ntp_jax.train.precompile``): its state moves, steps and sync."""
     if self.precompiler is None:
       return
-    jobs = []
+    jobs = []  # a lost process's devices stay failed: no plan brings them back
+    lost = {(i // self.plan.tp, i % self.plan.tp) for i, d in enumerate(self.devices)
+            if d in self.lost_devices}
     tp, dp = self.plan.tp, self.plan.dp
     for failed in reachable_failed_sets(self.failed, dp=dp, tp=tp):
+      if not lost <= failed:
+        continue
       try:
         plan = self.make_plan(failed)
       except (ValueError, ConfigError):
@@ -192,7 +234,7 @@ class TrainingRun:
       source = CheckpointShapes()
     return lower_plan(plan, self.make_model, self.optimizer, self.config.train.clip_norm,
                       self.config.train.seq_len, self.devices, cache=self.cache, source=source,
-                      loss=self.loss, skip=self.cache.compiled_keys())
+                      loss=self.loss, skip=self.cache.compiled_keys(), split=self.guarded(plan))
 
   def fresh_source(self, plan: Plan) -> LogicalSource:
     """The state a run without a checkpoint starts from: ``initial_source`` (logged) or init."""
@@ -360,6 +402,9 @@ class TrainingRun:
     elapsed = time.perf_counter() - start
     if not np.isfinite(loss):
       raise FloatingPointError(f"loss is {loss} at step {self.step}; lower train.lr")
+    if self.arrival is not None and not self.compile_next:
+      # A loss found mid-step is taken over at the next arrival: allow a few steps' time.
+      self.job.heartbeat.takeover_s = max(self.takeover_base_s, 3 * elapsed)
     redone = self.step < self.furthest
     self.redone_steps += redone
     # A step that compiles is mostly compilation, even when it is also redone work.
@@ -395,6 +440,29 @@ class TrainingRun:
         hook.on_step(info)
     return record
 
+  # -- lost processes -------------------------------------------------------------------------
+
+  def process_lost(self, lost: ProcessLost) -> None:
+    """Processes lost before this step's sync: go on without their devices
+    (``distributed.recoverable``), else write the last completed step and stop."""
+    if not self.job.recoverable:
+      write_just_in_time(self, lost)  # ends the process
+    gone = {d for d in self.devices if d.process_index in lost.processes}
+    self.lost_devices |= gone
+    tp = self.plan.tp
+    events = [Event(self.step, True, "fail", i // tp, i % tp) for i, d in enumerate(self.devices)
+              if d in gone and (i // tp, i % tp) not in self.failed]
+    self.log(f"step {self.step}: {lost.message}; process {self.job.process_id} goes on without "
+             f"it (distributed.recoverable): {len(gone)} device(s) fail")
+    self.writer.event("process_lost", step=self.step, processes=sorted(lost.processes))
+    self.arrival.epoch += 1
+    if self.checkpoints is not None:
+      self.checkpoints.restrict(self.live_processes())
+    self.apply(events)
+
+  def live_processes(self) -> set[int]:
+    return set(range(self.job.num_processes)) - self.lost_processes
+
   def events_before(self, step: int) -> list[Event]:
     """What the hooks report before ``step``: their events, and a ``DeviceFailure`` one
     raises as a failure between steps."""
@@ -424,10 +492,17 @@ class TrainingRun:
           self.discard_step()
           self.apply(inside)
         pending = [e for e in pending if e not in due]
+        attempt = time.perf_counter()
         try:
           self.run_step(steps)
         except DeviceFailure as failure:
           self.apply([Event(self.step, True, "fail", failure.replica, failure.slot)])
+        except ProcessLost as lost:
+          # The step's gradients are thrown away: its update never ran.
+          self.clock.add("redone", time.perf_counter() - attempt)
+          self.redone_steps += 1
+          self.compile_next = False
+          self.process_lost(lost)
     finally:
       self.finish_recovery(None)
       if self.precompiler is not None:

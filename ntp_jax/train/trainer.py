@@ -24,7 +24,7 @@ from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.errors import ConfigError
 from ntp_jax.interop.hf_tokenizer import copy_file
 from ntp_jax.layers.shard import replica_view
-from ntp_jax.parallel.distributed import check_domains, join, ordered_devices
+from ntp_jax.parallel.distributed import Job, check_domains, join, ordered_devices
 from ntp_jax.parallel.plan import Plan, make_plan
 from ntp_jax.parallel.sync import sync_traffic
 from ntp_jax.resilience.signals import StopSignals
@@ -236,7 +236,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   with StopSignals(job.stop_agreement()) as stop:
     try:
       return _run(config, model, optimizer, devices, checkpoints, start, stop, log, dataset,
-                  extra)
+                  extra, job)
     except KeyboardInterrupt:
       where = checkpoints and checkpoints.latest_step()
       saved = (f"last checkpoint {checkpoints.step_dir(where)}" if where is not None
@@ -302,7 +302,8 @@ def default_hooks(config: RunConfig, run_log, writer: MetricsWriter, dataset,
 
 
 def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
-         start: ResumePoint, stop, log, dataset, extra_hooks: list[Hook]) -> TrainResult:
+         start: ResumePoint, stop, log, dataset, extra_hooks: list[Hook],
+         job: Job | None = None) -> TrainResult:
   """Programs and the loop of ``train`` from ``start``."""
   log(dataset.describe())
   primary = jax.process_index() == 0  # process 0 writes the metrics, the events, the plot
@@ -313,7 +314,7 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
                     log=log, failed=start.failed,
                     hooks=default_hooks(config, log, writer, dataset, primary) + extra_hooks,
                     initial_source=model.initial_source,
-                    precompile=precompile_on(config, devices, log))
+                    precompile=precompile_on(config, devices, log), job=job)
   try:
     run.start(start.plan, start.source, start.step, start.cursor)
     plan = start.plan

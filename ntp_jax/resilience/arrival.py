@@ -1,0 +1,83 @@
+"""Before a step's collectives across processes: every process says it has arrived.
+
+On CPU (gloo) a collective whose peer process died never returns, and on any
+platform a program already running cannot be called back, so a survivor
+must learn of a loss *before* it enters the step's first collective across
+processes. ``Arrival.wait`` is that point: each process publishes ``arrived
+at step s`` in the coordination service's key-value store, after its own
+gradients and before the gradient sync, and waits for every peer's. A peer
+that never arrives is one the heartbeat declares lost; the wait then raises
+``ProcessLost``, with the step's state untouched (the update has not run),
+so the survivors can write it (a just-in-time checkpoint) or go on without
+the peer (``distributed.recoverable``). A peer lost *inside* the sync, after
+it arrived, still holds the survivors in the collective; the heartbeat ends
+them then (``heartbeat.Heartbeat``'s take-over).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from ntp_jax.resilience.heartbeat import Heartbeat
+
+
+class ProcessLost(Exception):
+  """Peer processes were lost before step ``step``'s collectives across processes.
+
+  Attributes:
+    processes: the lost process indices. step: the step in flight (not applied).
+    message: the heartbeat's line naming them.
+  """
+
+  def __init__(self, processes: Collection[int], step: int, message: str):
+    self.processes = frozenset(processes)
+    self.step = step
+    self.message = message
+    super().__init__(message)
+
+
+class Arrival:
+  """The per-step arrival of every process, over the coordination service.
+
+  Args:
+    client: the ``jax.distributed`` key-value client.
+    process_id: this process.
+    heartbeat: the job's ``Heartbeat`` (with a take-over: ``takeover_s``).
+    poll_s: how long one wait for a peer's key lasts before the heartbeat is asked.
+  """
+
+  PREFIX = "ntp_jax/arrived"
+
+  def __init__(self, client, process_id: int, heartbeat: Heartbeat, poll_s: float = 0.05):
+    self.client = client
+    self.process_id = process_id
+    self.heartbeat = heartbeat
+    self.poll_ms = max(1, int(poll_s * 1000))
+    self.epoch = 0  # raised at every change of plan: a step redone waits afresh
+
+  def key(self, step: int, process: int) -> str:
+    return f"{self.PREFIX}/{self.epoch}/{step}/{process}"
+
+  def wait(self, step: int, processes: Collection[int]) -> None:
+    """Publish this process's arrival at ``step``; return once every one of ``processes``
+    (this one included) has arrived.
+
+    Raises:
+      ProcessLost: the heartbeat declared one of ``processes`` lost first; the take-over
+        is this process's (``Heartbeat.take_over``).
+    """
+    self.client.key_value_set(self.key(step, self.process_id), "1", allow_overwrite=True)
+    for peer in sorted(set(processes) - {self.process_id}):
+      while True:
+        try:
+          self.client.blocking_key_value_get(self.key(step, peer), self.poll_ms)
+          break
+        except Exception:  # not there yet (the wait timed out)
+          lost = self.heartbeat.lost_processes & set(processes)
+          if lost:
+            self.heartbeat.take_over()
+            raise ProcessLost(lost, step, self.heartbeat.lost) from None
+    try:  # keep the store small: this process's key of two steps ago is read by everyone
+      self.client.key_value_delete(self.key(step - 2, self.process_id))
+    except Exception:
+      pass

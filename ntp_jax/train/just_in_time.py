@@ -1,0 +1,109 @@
+"""A just-in-time checkpoint: the survivors of a lost process write the last completed step.
+
+A process is lost (its heartbeat stopped) before a step's gradient sync
+(``resilience.arrival``): the step's update has not run, so every surviving
+replica still holds the state after the last completed step. One survivor
+that holds a whole replica writes it as a normal checkpoint (logical form,
+the run's ``checkpoint.dir``, the step and data position in its metadata),
+through an orbax manager over the survivors only; the others wait for it.
+Then every survivor stops with one line naming the lost process, the step
+written and the seconds it took; the restart with the processes left resumes
+there and redoes at most the step that was in flight. Source: Gupta et al.,
+"Just-In-Time Checkpointing", EuroSys 2024 (the state of the healthy replicas
+at the failure, so no step is redone but the one in flight).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import NoReturn
+
+from ntp_jax.resilience.arrival import ProcessLost
+from ntp_jax.resilience.heartbeat import LOST_EXIT_CODE
+from ntp_jax.sharding.topology import processes_of
+from ntp_jax.state.checkpoint import Checkpoints
+from ntp_jax.state.placement import read_logical
+
+DONE_KEY = "ntp_jax/just_in_time"
+
+
+def whole_replica(programs: list, survivors: set[int]) -> tuple[int, int, int] | None:
+  """``(process, class index, row)`` of the first replica whose devices all lie in one
+  surviving process (lowest process first), or None when no survivor holds a whole one.
+  The same answer in every process: it depends on the plan only."""
+  found = []
+  for c, program in enumerate(programs):
+    for r, row in enumerate(program.mesh.devices):
+      processes = processes_of(row)
+      if len(processes) == 1 and processes <= survivors:
+        found.append((next(iter(processes)), c, r))
+  return min(found) if found else None
+
+
+def write_just_in_time(run, lost: ProcessLost) -> NoReturn:
+  """Write the state after ``run.step`` steps (the last completed one) and end the process.
+
+  ``run`` is the ``loop.TrainingRun``; the whole takes at most
+  ``distributed.jit_checkpoint_s`` seconds, or the process stops without it. Exit status
+  ``heartbeat.LOST_EXIT_CODE`` either way.
+  """
+  job = run.job
+  start = time.perf_counter()
+  bound = job.jit_checkpoint_s
+  survivors = set(range(job.num_processes)) - set(lost.processes) - run.lost_processes
+  checkpoints = run.checkpoints
+  latest = None
+  if checkpoints is not None:
+    latest = checkpoints.latest_step()
+  fallback = (f"restart the job from its last checkpoint "
+              f"({checkpoints.step_dir(latest) if latest is not None else 'none written'})")
+  if bound <= 0:
+    _stop(f"{lost.message}; distributed.jit_checkpoint_s=0: no just-in-time checkpoint; "
+               f"{fallback}")
+  if checkpoints is None:
+    _stop(f"{lost.message}; checkpoint.every=0: no just-in-time checkpoint; the run "
+               "starts again from its beginning")
+  holder = whole_replica(run.programs, survivors)
+  if holder is None:
+    _stop(f"{lost.message}; the processes left hold no whole replica, so no just-in-time "
+               f"checkpoint; {fallback}")
+  writer, c, r = holder
+  run.log(f"step {run.step}: {lost.message}; writing a just-in-time checkpoint of step "
+          f"{run.step} (process {writer}, within distributed.jit_checkpoint_s={bound:g})")
+  timer = threading.Timer(bound, lambda: _stop(
+      f"{lost.message}; the just-in-time checkpoint of step {run.step} did not finish "
+           f"within distributed.jit_checkpoint_s={bound:g}; {fallback}"))
+  timer.daemon = True
+  timer.start()
+  if job.process_id == writer:
+    program = run.programs[c]
+    logical = read_logical({"params": program.params, "opt_state": program.opt_state},
+                           program.mesh, replica=r)
+    meta = {"data_cursor": run.cursor, "plan": run.plan.summary(),
+            "config": run.config.to_json_dict(), "just_in_time": True,
+            "lost_processes": sorted(lost.processes)}
+    only_writer = Checkpoints(checkpoints.directory, keep=checkpoints.keep, asynchronous=False,
+                              processes={writer})
+    only_writer.save(run.step, logical, meta)
+    only_writer.wait()
+    job.client.key_value_set(DONE_KEY, str(run.step), allow_overwrite=True)
+  else:  # the writer says when the step is on disk
+    job.client.blocking_key_value_get(DONE_KEY, int(bound * 1000))
+  seconds = time.perf_counter() - start
+  run.writer.event("just_in_time", step=run.step, processes=sorted(lost.processes),
+                   seconds=round(seconds, 3), data_cursor=run.cursor)
+  _stop(f"{lost.message}; process {job.process_id} wrote a just-in-time checkpoint of "
+             f"step {run.step} to {checkpoints.step_dir(run.step)} in {seconds:.1f} s "
+             f"(within distributed.jit_checkpoint_s={bound:g}); restart the job with the "
+             "processes left: it resumes there")
+
+
+def _stop(message: str) -> NoReturn:
+  """One line on stderr and the end of the process, from any thread: orbax's and JAX's
+  threads would wait for the lost process at a normal exit."""
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(LOST_EXIT_CODE)

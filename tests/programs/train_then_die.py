@@ -1,0 +1,37 @@
+"""``train.py`` whose process ``P`` kills itself (SIGKILL) right after step ``S`` (tests only).
+
+  NTP_JAX_DIE_AFTER=P:S python tests/programs/train_then_die.py --config ... (train.py's flags)
+
+A lost host at a known point of the run: the step is complete everywhere (its
+sync is shared) and the next one has not begun, so the survivors meet the loss
+at the next step's arrival. Run by tests/test_multiprocess_recovery.py.
+"""
+
+import functools
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jax  # noqa: E402
+from absl import app  # noqa: E402
+
+import ntp_jax.train.trainer as trainer  # noqa: E402
+import train  # noqa: E402
+from ntp_jax.train.hooks import Hook  # noqa: E402
+
+
+class DieAfter(Hook):
+  def __init__(self, process: int, step: int):
+    self.process, self.step = process, step
+
+  def on_step(self, info) -> None:
+    if info.step == self.step and jax.process_index() == self.process:
+      os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+  process, step = map(int, os.environ["NTP_JAX_DIE_AFTER"].split(":"))
+  trainer.train = functools.partial(trainer.train, hooks=[DieAfter(process, step)])
+  app.run(train.main, flags_parser=train.parse_flags)
