@@ -21,7 +21,6 @@ compiled programs whose meshes hold some of them. This module
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -119,17 +118,15 @@ def initialize(settings: Settings) -> None:
   ``Heartbeat`` watchdog, which names the lost process, speaks first, and the
   survivors have time for a just-in-time checkpoint before JAX ends them. With
   ``recoverable``, ``jax_enable_recoverability`` is set first: JAX then ends no
-  survivor, and its heartbeat is ours.
+  survivor when it finds a process lost.
   """
   # CPU collectives across processes need gloo; harmless where another platform is used.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  timeout = settings.heartbeat_timeout_s
   if settings.recoverable:
     jax.config.update("jax_enable_recoverability", True)
-  jax_timeout = max(1, math.ceil(timeout)) if settings.recoverable else int(3 * timeout + 30)
   jax.distributed.initialize(
       settings.coordinator, settings.num_processes, settings.process_id,
-      heartbeat_timeout_seconds=jax_timeout)
+      heartbeat_timeout_seconds=int(3 * settings.heartbeat_timeout_s + 30))
 
 
 def ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:

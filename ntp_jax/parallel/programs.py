@@ -36,7 +36,7 @@ from ntp_jax.parallel.steps import (
 from ntp_jax.parallel.sync import CrossClassSync, regroup_plan
 from ntp_jax.parallel.sync_leaf import sync_leaves
 from ntp_jax.sharding.mesh import DP, TP, class_mesh
-from ntp_jax.sharding.topology import holds_mine, processes_of
+from ntp_jax.sharding.topology import holds_mine, is_mine, processes_of
 from ntp_jax.state.placement import LogicalSource, lower_placement, place_logical, read_logical
 from ntp_jax.state.sources import InitSource
 from ntp_jax.state.spanning import SpanningSource, read_logical_spanning
@@ -388,6 +388,37 @@ def logical_state(programs: list[ClassProgram]) -> dict:
         [({"params": p.params, "opt_state": p.opt_state}, p.mesh) for p in programs], t_min)
   program = programs[0]
   return read_logical({"params": program.params, "opt_state": program.opt_state}, program.mesh)
+
+
+def live_rows(program: ClassProgram, processes: Collection[int]) -> ClassProgram | None:
+  """``program``'s state cut to the replicas whose devices all belong to ``processes`` (the
+  live ones), on a mesh of those rows only: no program run on it touches a lost process.
+  None when no replica is left. The step is dropped (the state is for moving, not training).
+
+  Each array keeps its sharding's spec; a replica-stacked leaf keeps the rows' blocks, a
+  replicated one its copies; nothing is copied. Abstract where another process holds the rows.
+  """
+  rows = [r for r, row in enumerate(program.mesh.devices)
+          if processes_of(row) <= set(processes)]
+  if not rows:
+    return None
+  if len(rows) == program.mesh.devices.shape[0]:
+    return dataclasses.replace(program, step=None, key=None)
+  sub = Mesh(program.mesh.devices[rows], program.mesh.axis_names)
+  held = [d for d in sub.devices.flat if is_mine(d)]
+
+  def cut(x):
+    stacked = isinstance(getattr(x, "sharding", None), NamedSharding) and (
+        len(x.sharding.spec) > 0 and x.sharding.spec[0] == DP)
+    shape = (len(rows),) + tuple(x.shape[1:]) if stacked else tuple(x.shape)
+    if not isinstance(x, jax.Array):
+      return jax.ShapeDtypeStruct(shape, x.dtype)
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(
+        shape, NamedSharding(sub, x.sharding.spec), [by_device[d] for d in held], dtype=x.dtype)
+
+  return dataclasses.replace(program, mesh=sub, params=jax.tree.map(cut, program.params),
+                             opt_state=jax.tree.map(cut, program.opt_state), step=None, key=None)
 
 
 def class_batch(program: ClassProgram, batch: Any, start: int) -> jax.Array:

@@ -4,8 +4,10 @@ On CPU (gloo) a collective whose peer process died never returns, and on any
 platform a program already running cannot be called back, so a survivor
 must learn of a loss *before* it enters the step's first collective across
 processes. ``Arrival.wait`` is that point: each process publishes ``arrived
-at step s`` in the coordination service's key-value store, after its own
-gradients and before the gradient sync, and waits for every peer's. A peer
+at step s`` in the coordination service's key-value store and waits for every
+peer's, twice a step: before the step's first program (on CPU a local
+collective that runs while a dead peer's connections close can hang too),
+and after its own gradients, before the gradient sync. A peer
 that never arrives is one the heartbeat declares lost; the wait then raises
 ``ProcessLost``, with the step's state untouched (the update has not run),
 so the survivors can write it (a just-in-time checkpoint) or go on without
@@ -55,22 +57,24 @@ class Arrival:
     self.poll_ms = max(1, int(poll_s * 1000))
     self.epoch = 0  # raised at every change of plan: a step redone waits afresh
 
-  def key(self, step: int, process: int) -> str:
-    return f"{self.PREFIX}/{self.epoch}/{step}/{process}"
+  def key(self, step: int, process: int, phase: str = "sync") -> str:
+    return f"{self.PREFIX}/{self.epoch}/{step}/{phase}/{process}"
 
-  def wait(self, step: int, processes: Collection[int]) -> None:
-    """Publish this process's arrival at ``step``; return once every one of ``processes``
-    (this one included) has arrived.
+  def wait(self, step: int, processes: Collection[int], phase: str = "sync") -> None:
+    """Publish this process's arrival at ``phase`` of ``step`` (``start``: before any of
+    its programs; ``sync``: after its gradients); return once every one of ``processes``
+    (this one included) has arrived there.
 
     Raises:
       ProcessLost: the heartbeat declared one of ``processes`` lost first; the take-over
         is this process's (``Heartbeat.take_over``).
     """
-    self.client.key_value_set(self.key(step, self.process_id), "1", allow_overwrite=True)
+    self.client.key_value_set(self.key(step, self.process_id, phase), "1",
+                              allow_overwrite=True)
     for peer in sorted(set(processes) - {self.process_id}):
       while True:
         try:
-          self.client.blocking_key_value_get(self.key(step, peer), self.poll_ms)
+          self.client.blocking_key_value_get(self.key(step, peer, phase), self.poll_ms)
           break
         except Exception:  # not there yet (the wait timed out)
           lost = self.heartbeat.lost_processes & set(processes)
@@ -78,6 +82,6 @@ class Arrival:
             self.heartbeat.take_over()
             raise ProcessLost(lost, step, self.heartbeat.lost) from None
     try:  # keep the store small: this process's key of two steps ago is read by everyone
-      self.client.key_value_delete(self.key(step - 2, self.process_id))
+      self.client.key_value_delete(self.key(step - 2, self.process_id, phase))
     except Exception:
       pass

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import NoReturn
 
+from ntp_jax.parallel.programs import live_rows
 from ntp_jax.resilience.arrival import ProcessLost
 from ntp_jax.resilience.heartbeat import LOST_EXIT_CODE
 from ntp_jax.sharding.topology import processes_of
@@ -79,16 +80,12 @@ def write_just_in_time(run, lost: ProcessLost) -> NoReturn:
   timer.daemon = True
   timer.start()
   if job.process_id == writer:
-    program = run.programs[c]
-    logical = read_logical({"params": program.params, "opt_state": program.opt_state},
-                           program.mesh, replica=r)
-    meta = {"data_cursor": run.cursor, "plan": run.plan.summary(),
-            "config": run.config.to_json_dict(), "just_in_time": True,
-            "lost_processes": sorted(lost.processes)}
-    only_writer = Checkpoints(checkpoints.directory, keep=checkpoints.keep, asynchronous=False,
-                              processes={writer})
-    only_writer.save(run.step, logical, meta)
-    only_writer.wait()
+    try:
+      _write(run, lost, writer, c, r)
+    except Exception as err:  # e.g. a buffer the lost peer's last collective left in error
+      cause = " ".join(str(err).split())[:200]
+      _stop(f"{lost.message}; the just-in-time checkpoint of step {run.step} failed "
+            f"({type(err).__name__}: {cause}); {fallback}")
     job.client.key_value_set(DONE_KEY, str(run.step), allow_overwrite=True)
   else:  # the writer says when the step is on disk
     job.client.blocking_key_value_get(DONE_KEY, int(bound * 1000))
@@ -99,6 +96,23 @@ def write_just_in_time(run, lost: ProcessLost) -> NoReturn:
              f"step {run.step} to {checkpoints.step_dir(run.step)} in {seconds:.1f} s "
              f"(within distributed.jit_checkpoint_s={bound:g}); restart the job with the "
              "processes left: it resumes there")
+
+
+def _write(run, lost: ProcessLost, writer: int, c: int, r: int) -> None:
+  """Replica ``r`` of class ``c`` (all on process ``writer``) as checkpoint ``run.step``."""
+  # That replica alone, on a mesh of its own devices: nothing here touches a lost process.
+  program = live_rows(run.programs[c], {writer})
+  row = [tuple(x) for x in program.mesh.devices].index(tuple(run.programs[c].mesh.devices[r]))
+  logical = read_logical({"params": program.params, "opt_state": program.opt_state},
+                         program.mesh, replica=row)
+  meta = {"data_cursor": run.cursor, "plan": run.plan.summary(),
+          "config": run.config.to_json_dict(), "just_in_time": True,
+          "lost_processes": sorted(lost.processes)}
+  checkpoints = run.checkpoints
+  only_writer = Checkpoints(checkpoints.directory, keep=checkpoints.keep, asynchronous=False,
+                            processes={writer})
+  only_writer.save(run.step, logical, meta)
+  only_writer.wait()
 
 
 def _stop(message: str) -> NoReturn:

@@ -26,6 +26,7 @@ from ntp_jax.parallel.programs import (
   ProgramCache,
   build_class_programs,
   class_label,
+  live_rows,
   logical_state,
   lower_plan,
 )
@@ -189,8 +190,8 @@ class TrainingRun:
     return all(len(processes_of(self.devices[r.replica * plan.tp + s] for s in r.live_slots)) == 1
                for r in plan.replicas)
 
-  def _arrive(self) -> None:
-    self.arrival.wait(self.step, self.plan_processes(self.plan) - self.lost_processes)
+  def _arrive(self, phase: str = "sync") -> None:
+    self.arrival.wait(self.step, self.plan_processes(self.plan) - self.lost_processes, phase)
 
   @property
   def lost_processes(self) -> set[int]:
@@ -396,6 +397,8 @@ class TrainingRun:
       self.log(f"  step {self.step}: compiling the programs of this plan")
     busy = self.precompiler is not None and self.precompiler.busy
     start = time.perf_counter()
+    if self.job_step.before_sync is not None:
+      self._arrive("start")  # every process is here: none of this step's programs has run
     metrics = self.job_step(batch)
     # Both block: with several classes the loss is ready before the update is done.
     loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
@@ -458,6 +461,9 @@ class TrainingRun:
     self.arrival.epoch += 1
     if self.checkpoints is not None:
       self.checkpoints.restrict(self.live_processes())
+    # The old state on the live processes' replicas only: no move touches a lost process.
+    self.programs = [p for p in (live_rows(p, self.live_processes()) for p in self.programs)
+                     if p is not None]
     self.apply(events)
 
   def live_processes(self) -> set[int]:

@@ -1,10 +1,10 @@
-"""``train.py`` whose process ``P`` kills itself (SIGKILL) right after step ``S`` (tests only).
+"""``train.py`` whose process ``P`` kills itself (SIGKILL) after step ``S`` (tests only).
 
   NTP_JAX_DIE_AFTER=P:S python tests/programs/train_then_die.py --config ... (train.py's flags)
 
 A lost host at a known point of the run: the step is complete everywhere (its
-sync is shared) and the next one has not begun, so the survivors meet the loss
-at the next step's arrival. Run by tests/test_multiprocess_recovery.py.
+sync is shared), and process 0 already waits at the next step's start, so the
+survivors meet the loss there (``resilience.arrival``). Run by tests/test_multiprocess_recovery.py.
 """
 
 import functools
@@ -28,6 +28,11 @@ class DieAfter(Hook):
 
   def on_step(self, info) -> None:
     if info.step == self.step and jax.process_index() == self.process:
+      # Once process 0 waits at the next step's start: no collective of this step is still
+      # running there (a kill inside one cannot be survived on gloo; docs/multihost.md).
+      client = info.run.arrival.client
+      key = info.run.arrival.key(self.step + 1, 0, "start")
+      client.blocking_key_value_get(key, 60_000)
       os.kill(os.getpid(), signal.SIGKILL)
 
 

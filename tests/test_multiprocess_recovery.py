@@ -1,0 +1,187 @@
+"""Failures across processes without a restart: live moves between hosts, a just-in-time
+checkpoint when a process is lost, and survivors that go on (``distributed.recoverable``).
+
+Each multi-process run is compared with the same run in this one process (8 CPU devices),
+which equals the uninterrupted multi-process job (tests/test_multiprocess.py). Every process
+started here runs under a timeout and is killed by id at the end.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from helpers import ROOT, tiny_config
+
+from ntp_jax.launch import free_port
+from ntp_jax.parallel.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from ntp_jax.train.trainer import train
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+STEPS = 40
+BASE = {"mesh.dp": 2, "mesh.tp": 4, "train.log_every": 1, "train.steps": STEPS}
+HEARTBEAT_S = 5
+
+
+def _env(**extra):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # train.py gives each process mesh.dp * mesh.tp / processes
+  env.update(extra)
+  return env
+
+
+def _args(workdir, settings, program="train.py"):
+  return [sys.executable, program, "--config", "configs/gpt_tiny.py",
+          f"--config.workdir={workdir}", "--config.train.plot=False",
+          "--config.train.eval_every=0", "--config.data.max_corpus_bytes=300000",
+          *[f"--config.{k}={v}" for k, v in settings.items()]]
+
+
+def _records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _losses(records):
+  return {r["step"]: r["loss"] for r in records if "loss" in r and "event" not in r}
+
+
+def _reference(tmp_path, name, **settings):
+  """The same run in this process: step -> loss, and its records."""
+  workdir = tmp_path / name
+  result = train(tiny_config(workdir, **{**BASE, **settings}), log=lambda *_: None)
+  records = _records(os.path.dirname(result.metrics_path))
+  return _losses(records), records
+
+
+def _launch(processes, workdir, settings, *, launcher=(), program="train.py", env=None,
+            timeout=600):
+  command = [sys.executable, "-m", "ntp_jax.launch", f"--processes={processes}", *launcher,
+             "--", *_args(workdir, settings, program)]
+  return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                        env=_env(**(env or {})))
+
+
+@pytest.mark.parametrize("replica", [1, 0], ids=["process-1-replica", "process-0-replica"])
+def test_a_failure_and_repair_across_processes_recover_live(tmp_path, replica):
+  events = {"ntp.recovery": "live", "ntp.fail_at": f"20@{replica}:2",
+            "ntp.repair_at": f"30@{replica}:2"}
+  expected, _ = _reference(tmp_path, "one", **events)
+  workdir = tmp_path / "two"
+  done = _launch(2, workdir, {**BASE, **events, "checkpoint.every": 0})
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+  records = _records(workdir)
+  losses = _losses(records)
+  assert sorted(losses) == list(range(STEPS))
+  np.testing.assert_allclose([losses[s] for s in range(STEPS)],
+                             [expected[s] for s in range(STEPS)], rtol=1e-5)
+  degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
+  damaged = [3, 4] if replica == 0 else [4, 3]
+  assert degrees[19] == [4, 4] and degrees[20] == damaged and degrees[29] == damaged
+  assert degrees[30] == [4, 4] and degrees[STEPS - 1] == [4, 4]
+  recovered = [r for r in records if r.get("event") == "recovered"]
+  assert [r["path"] for r in recovered] == ["live", "live"]
+  # Replica `replica`'s own live slots hold part of its state; the rest crossed processes.
+  assert recovered[0]["crossed_bytes"] > 0
+  assert "restoring" not in done.stdout and "resuming" not in done.stdout
+
+
+def _run_until_killed(workdir, settings, die_after, processes=2):
+  """The job under ``tests/programs/train_then_die.py``: process 1 SIGKILLs itself after
+  step ``die_after``. Returns (process 0's status, seconds from the kill to its exit, its
+  output)."""
+  os.makedirs(workdir, exist_ok=True)
+  port = free_port()
+  children, logs = [], []
+  for i in range(processes):
+    env = _env(**{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
+                  ENV_PROCESS_ID: str(i), "PYTHONUNBUFFERED": "1",
+                  "NTP_JAX_DIE_AFTER": f"1:{die_after}"})
+    log = open(os.path.join(workdir, f"process{i}.log"), "w")
+    logs.append(log)
+    children.append(subprocess.Popen(_args(workdir, settings, "tests/programs/train_then_die.py"),
+                                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True))
+  try:
+    children[1].wait(timeout=400)
+    killed = time.monotonic()
+    status = children[0].wait(timeout=120)
+    return status, time.monotonic() - killed, open(os.path.join(workdir, "process0.log")).read()
+  finally:
+    for child, log in zip(children, logs):
+      if child.poll() is None:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+      log.close()
+
+
+def test_a_lost_process_leaves_a_just_in_time_checkpoint_and_a_smaller_restart_resumes(
+    tmp_path):
+  expected, _ = _reference(tmp_path, "one")
+  workdir = tmp_path / "two"
+  settings = {**BASE, "checkpoint.every": 1000,
+              "distributed.heartbeat_timeout_s": HEARTBEAT_S}
+  status, seconds, output = _run_until_killed(workdir, settings, die_after=20)
+  assert status == 3, output[-3000:]
+  assert "error: lost process 1 of 2" in output
+  assert "wrote a just-in-time checkpoint of step 21" in output, output[-2000:]
+  assert seconds < HEARTBEAT_S + 10, seconds
+  checkpoints = workdir / "checkpoints"
+  assert sorted(p for p in os.listdir(checkpoints) if p.isdigit()) == ["21"]
+
+  # One process on the four devices left, the same global batch: it resumes at step 21.
+  restart = subprocess.run(_args(workdir, {**settings, "mesh.dp": 1}), cwd=ROOT,
+                           capture_output=True, text=True, timeout=400, env=_env())
+  assert restart.returncode == 0, restart.stderr[-3000:]
+  assert "resuming from step 21" in restart.stdout
+  losses = _losses(_records(workdir))
+  # Steps 0-20 from the first session, 21-39 from the restart: only step 21 was in flight.
+  assert sorted(losses) == list(range(STEPS))
+  np.testing.assert_allclose([losses[s] for s in range(STEPS)],
+                             [expected[s] for s in range(STEPS)], rtol=1e-5)
+
+
+def test_survivors_go_on_with_their_replicas_in_recoverable_mode(tmp_path):
+  constant = {"ntp.rebalance": "constant"}
+  expected, _ = _reference(tmp_path, "one", **constant)
+  workdir = tmp_path / "two"
+  settings = {**BASE, **constant, "checkpoint.every": 1000, "distributed.recoverable": True,
+              "distributed.heartbeat_timeout_s": HEARTBEAT_S}
+  done = _launch(2, workdir, settings, launcher=["--run-on"],
+                 program="tests/programs/train_then_die.py",
+                 env={"NTP_JAX_DIE_AFTER": "1:20"})
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+  assert "[launch] process 1 exited with status 137; the others run on" in done.stderr
+  assert "process 0 goes on without it (distributed.recoverable)" in done.stdout
+  records = _records(workdir)
+  losses = _losses(records)
+  assert sorted(losses) == list(range(STEPS))
+  np.testing.assert_allclose([losses[s] for s in range(STEPS)],
+                             [expected[s] for s in range(STEPS)], rtol=1e-5)
+  degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
+  assert degrees[20] == [4, 4] and degrees[21] == [4] and degrees[STEPS - 1] == [4]
+  # Only the step in flight was redone; the global batch never changed.
+  assert "redone: 1 step(s)" in done.stdout
+  assert {r["global_batch"] for r in records if "global_batch" in r} == {16}
+
+
+def test_a_failure_in_a_tp_group_over_two_processes_recovers_live(tmp_path):
+  """4 processes of 2 devices, one scale-up domain of two processes per replica."""
+  events = {"ntp.recovery": "live", "ntp.fail_at": "3@0:1", "train.steps": 6}
+  expected, _ = _reference(tmp_path, "one", **events)
+  workdir = tmp_path / "four"
+  done = _launch(4, workdir, {**BASE, **events, "checkpoint.every": 0,
+                              "distributed.processes_per_domain": 2})
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+  records = _records(workdir)
+  losses = _losses(records)
+  np.testing.assert_allclose([losses[s] for s in range(6)], [expected[s] for s in range(6)],
+                             rtol=1e-5)
+  recovered = [r for r in records if r.get("event") == "recovered"]
+  assert [r["path"] for r in recovered] == ["live"]
+  assert {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}[3] == [3, 4]
