@@ -1,6 +1,8 @@
 """``python -m ntp_jax.launch`` passes its processes' output through, less gloo's chatter."""
 
 import io
+import sys
+import time
 
 from ntp_jax.launch import _pump, is_chatter
 
@@ -23,3 +25,21 @@ def test_pump_prefixes_every_line_but_the_chatter():
   _pump(io.BytesIO(f"plan: 2 DP replica(s)\n{CHATTER}step 0/3 | loss 7.6\n".encode()), "[1] ",
         out)
   assert out.getvalue() == "[1] plan: 2 DP replica(s)\n[1] step 0/3 | loss 7.6\n"
+
+
+# Process 1 fails at once; process 0 ends by itself after a second (or never, with "hang").
+_SCRIPT = ("import os, sys, time\n"
+           "if os.environ['NTP_JAX_PROCESS_ID'] == '1': sys.exit(3)\n"
+           "time.sleep(1 if sys.argv[1] == 'end' else 600)\n")
+
+
+def test_the_others_get_their_time_then_the_first_failure_is_the_status():
+  from ntp_jax.launch import launch
+  start = time.monotonic()
+  assert launch([sys.executable, "-c", _SCRIPT, "hang"], 2, survivor_s=0.5, grace_s=1) == 3
+  assert time.monotonic() - start < 30
+
+
+def test_with_run_on_the_survivors_finish_and_their_status_is_the_jobs():
+  from ntp_jax.launch import launch
+  assert launch([sys.executable, "-c", _SCRIPT, "end"], 2, run_on=True) == 0

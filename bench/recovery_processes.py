@@ -1,0 +1,142 @@
+"""What a failure costs across processes: seconds from the failure to the next productive step.
+
+  python bench/recovery_processes.py [--steps 30] [--at 24] [--heartbeat 5]
+
+gpt_tiny as 2 processes x 4 CPU devices (``python -m ntp_jax.launch``), dp=2 tp=4:
+
+- *live*: slot 2 of replica 1 (process 1's) fails before step ``at``; the state
+  moves from DP peers across processes (``ntp.recovery=live``). From the end of
+  step ``at - 1`` to the end of step ``at`` on the new plan.
+- *just-in-time*: process 1 is SIGKILLed after step ``at - 1``
+  (``tests/programs/train_then_die.py``); process 0 finds it lost (heartbeat),
+  writes step ``at`` and stops; a one-process restart on the four devices left
+  (``mesh.dp=1``) resumes there. From the end of step ``at - 1`` to the end of
+  step ``at`` in the restart.
+- *periodic*: the same loss with ``distributed.jit_checkpoint_s=0`` and a
+  checkpoint every 10 steps: the restart resumes from the last one and redoes
+  the steps since.
+- *recoverable*: the same loss with ``distributed.recoverable=True`` and
+  ``ntp.rebalance=constant``: process 0 goes on alone. From the end of step
+  ``at - 1`` to the end of step ``at`` (the step in flight, redone).
+
+Times are read from the ``time`` of the step rows in ``metrics.jsonl``; the
+restarts start as soon as the survivor has exited (a scheduler's own delay is
+not counted). Every run has a fresh work folder (a cold compilation cache).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(**extra):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env.update(extra)
+  return env
+
+
+def _args(workdir, settings, program="train.py"):
+  return [program, "--config", "configs/gpt_tiny.py", f"--config.workdir={workdir}",
+          "--config.train.plot=False", "--config.train.eval_every=0",
+          "--config.data.max_corpus_bytes=300000",
+          *[f"--config.{k}={v}" for k, v in settings.items()]]
+
+
+def _launch(workdir, settings, *, program="train.py", launcher=(), env=None):
+  command = [sys.executable, "-m", "ntp_jax.launch", "--processes=2", *launcher, "--",
+             sys.executable, *_args(workdir, settings, program)]
+  return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                        env=_env(**(env or {})))
+
+
+def _restart(workdir, settings):
+  done = subprocess.run([sys.executable, *_args(workdir, {**settings, "mesh.dp": 1})],
+                        cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
+  if done.returncode != 0:
+    raise SystemExit(f"restart failed: {done.stderr[-2000:]}")
+  return done
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _step_times(rows):
+  """step -> wall time of its last row (a redone step: the later one)."""
+  return {r["step"]: r["time"] for r in rows if "loss" in r and "event" not in r}
+
+
+def _events(rows, name):
+  return [r for r in rows if r.get("event") == name]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--steps", type=int, default=30)
+  parser.add_argument("--at", type=int, default=25)
+  parser.add_argument("--heartbeat", type=float, default=5.0)
+  args = parser.parse_args()
+  at, base = args.at, {"mesh.dp": 2, "mesh.tp": 4, "train.steps": args.steps,
+                       "train.log_every": 1,
+                       "distributed.heartbeat_timeout_s": args.heartbeat}
+  die = {"NTP_JAX_DIE_AFTER": f"1:{at - 1}"}
+  results = []
+  with tempfile.TemporaryDirectory() as tmp:
+    work = os.path.join(tmp, "live")
+    done = _launch(work, {**base, "ntp.recovery": "live", "ntp.fail_at": f"{at}@1:2",
+                          "checkpoint.every": 0})
+    if done.returncode != 0:
+      raise SystemExit(done.stdout[-3000:])
+    rows = _rows(work)
+    times, recovered = _step_times(rows), _events(rows, "recovered")[0]
+    results.append(("live across processes (process 1's slot 2 fails, its process lives)",
+                    times[at] - times[at - 1], 0,
+                    f"move {recovered['move_s']:.2f} s, compile {recovered['compile_s']:.2f} s, "
+                    f"{recovered['crossed_bytes'] / 1e6:.2f} MB between processes"))
+
+    for name, extra in (("just-in-time checkpoint", {"checkpoint.every": 1000}),
+                        ("last periodic checkpoint (every 10 steps)",
+                         {"checkpoint.every": 10, "distributed.jit_checkpoint_s": 0})):
+      work = os.path.join(tmp, name.split()[0])
+      settings = {**base, **extra}
+      done = _launch(work, settings, program="tests/programs/train_then_die.py", env=die)
+      lost_at = _step_times(_rows(work))[at - 1]
+      saved = sorted(int(p) for p in os.listdir(os.path.join(work, "checkpoints")) if p.isdigit())
+      _restart(work, settings)
+      times = _step_times(_rows(work))
+      jit = _events(_rows(work), "just_in_time")
+      note = (f"survivor wrote step {jit[0]['step']} in {jit[0]['seconds']:.2f} s" if jit else
+              f"restart from step {saved[-1]}")
+      results.append((f"process 1 lost, restart from the {name}", times[at] - lost_at,
+                      at - saved[-1], note))
+
+    work = os.path.join(tmp, "recoverable")
+    done = _launch(work, {**base, "checkpoint.every": 1000, "distributed.recoverable": True,
+                          "ntp.rebalance": "constant"},
+                   program="tests/programs/train_then_die.py", launcher=["--run-on"], env=die)
+    if done.returncode != 0:
+      raise SystemExit(done.stdout[-3000:])
+    rows = _rows(work)
+    times, recovered = _step_times(rows), _events(rows, "recovered")[0]
+    results.append(("process 1 lost, survivors go on (distributed.recoverable)",
+                    times[at] - times[at - 1], 0,
+                    f"move {recovered['move_s']:.2f} s, compile {recovered['compile_s']:.2f} s"))
+
+  print(f"`python bench/recovery_processes.py --steps {args.steps} --at {args.at} "
+        f"--heartbeat {args.heartbeat:g}` (cpu, 2 processes x 4 devices, gpt_tiny, dp=2 tp=4, "
+        f"heartbeat {args.heartbeat:g} s)\n")
+  print("| failure | seconds to the next productive step | steps redone before it | notes |")
+  print("|---|---:|---:|---|")
+  for name, seconds, redone, note in results:
+    print(f"| {name} | {seconds:.1f} | {redone} | {note} |")
+
+
+if __name__ == "__main__":
+  main()
