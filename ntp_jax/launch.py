@@ -36,6 +36,11 @@ def free_port() -> int:
 # "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
 GLOO_CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
                           r"Expected number of connected peer ranks is : \d+\s*")
+# gloo writes that line in pieces, and several threads write at once: the pieces of two
+# lines interleave ("[Gloo] Rank 1 is connected to [Gloo] Rank 3 is connected to 3 peer
+# ranks. ..."), and a number can land on a line of its own.
+GLOO_PIECE = re.compile(r"\[Gloo\] Rank (\d+)?| is connected to (\d+)?|(\d+ )? ?peer ranks\. ?"
+                        r"|Expected number of connected peer ranks is : (\d+)?")
 
 
 def is_chatter(line: str) -> bool:
@@ -43,10 +48,29 @@ def is_chatter(line: str) -> bool:
   return GLOO_CHATTER.fullmatch(line) is not None
 
 
+def strip_chatter(line: str, after_chatter: bool = False) -> str | None:
+  """``line`` without gloo's chatter, or None when nothing else is left.
+
+  Whole chatter lines go; so does a line made only of its pieces (and numbers), and a
+  bare number right after a chatter line (a piece of it). A piece inside other text is
+  cut out of it.
+  """
+  if is_chatter(line):
+    return None
+  if GLOO_PIECE.search(line):
+    rest = GLOO_PIECE.sub("", line)
+    return None if not rest.strip() or rest.strip().isdigit() else rest
+  if after_chatter and line.strip().isdigit():
+    return None
+  return line
+
+
 def _pump(stream, prefix: str, out) -> None:
+  after_chatter = False
   for line in iter(stream.readline, b""):
-    text = line.decode(errors="replace")
-    if is_chatter(text):
+    text = strip_chatter(line.decode(errors="replace"), after_chatter)
+    after_chatter = text is None
+    if text is None:
       continue
     out.write(prefix + text)
     out.flush()

@@ -4,7 +4,7 @@ import io
 import sys
 import time
 
-from ntp_jax.launch import _pump, is_chatter
+from ntp_jax.launch import _pump, is_chatter, strip_chatter
 
 CHATTER = ("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks "
            "is : 1\n")
@@ -43,3 +43,19 @@ def test_the_others_get_their_time_then_the_first_failure_is_the_status():
 def test_with_run_on_the_survivors_finish_and_their_status_is_the_jobs():
   from ntp_jax.launch import launch
   assert launch([sys.executable, "-c", _SCRIPT, "end"], 2, run_on=True) == 0
+
+
+def test_interleaved_pieces_of_two_chatter_lines_go_too():
+  """Several gloo threads write their lines in pieces at once (seen with 2 processes)."""
+  mixed = ["[Gloo] Rank 1 is connected to [Gloo] Rank 3 is connected to 3 peer ranks. Expected "
+           "number of connected peer ranks is : 3\n",
+           "3 peer ranks. Expected number of connected peer ranks is : 3\n",
+           "[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks "
+           "is : 3[Gloo] Rank 3 is connected to 3 peer ranks. Expected number of connected peer "
+           "ranks is : 3\n"]
+  for line in mixed:
+    assert strip_chatter(line) is None, line
+  assert strip_chatter("3\n", after_chatter=True) is None
+  assert strip_chatter("3\n") == "3\n"  # a number of the program's own
+  assert strip_chatter("step 2/8 | loss 7.6[Gloo] Rank 0 is connected to \n") == (
+      "step 2/8 | loss 7.6\n")
