@@ -46,6 +46,10 @@ from ntp_jax.train.hooks import Hook, StepInfo
 from ntp_jax.train.just_in_time import write_just_in_time
 from ntp_jax.train.precompile import PlanJob, Precompiler
 
+# Seconds the heartbeat waits for the main thread to take a loss over while a step
+# compiles (a large model's first step compiles for minutes); else a few steps' time.
+COMPILE_TAKEOVER_S = 900.0
+
 
 class DatasetRows:
   """The rows ``[cursor, cursor + count)`` of the data walk, read only when sliced.
@@ -397,6 +401,9 @@ class TrainingRun:
       self.log(f"  step {self.step}: compiling the programs of this plan")
     busy = self.precompiler is not None and self.precompiler.busy
     start = time.perf_counter()
+    if self.arrival is not None and self.compile_next:
+      # A loss found while this step compiles is taken over once it has: allow for that.
+      self.job.heartbeat.takeover_s = max(self.takeover_base_s, COMPILE_TAKEOVER_S)
     if self.job_step.before_sync is not None:
       self._arrive("start")  # every process is here: none of this step's programs has run
     metrics = self.job_step(batch)
@@ -405,9 +412,11 @@ class TrainingRun:
     elapsed = time.perf_counter() - start
     if not np.isfinite(loss):
       raise FloatingPointError(f"loss is {loss} at step {self.step}; lower train.lr")
-    if self.arrival is not None and not self.compile_next:
-      # A loss found mid-step is taken over at the next arrival: allow a few steps' time.
-      self.job.heartbeat.takeover_s = max(self.takeover_base_s, 3 * elapsed)
+    if self.arrival is not None:
+      # A loss found mid-step is taken over at the next arrival: allow a few steps' time
+      # (a step that compiled says nothing of the next one's).
+      self.job.heartbeat.takeover_s = max(self.takeover_base_s,
+                                          0.0 if self.compile_next else 3 * elapsed)
     redone = self.step < self.furthest
     self.redone_steps += redone
     # A step that compiles is mostly compilation, even when it is also redone work.
