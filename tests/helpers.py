@@ -25,6 +25,15 @@ from ntp_jax.train.config import parse_failed, parse_weights
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def process_env(**extra):
+  """The environment for a ``train.py`` subprocess: this one's, without ``XLA_FLAGS``
+  (``train.py`` gives each process ``mesh.dp * mesh.tp / processes`` devices), plus ``extra``."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env.update(extra)
+  return env
+
+
 def tiny_config(workdir, **overrides):
   """``configs/gpt_tiny.py`` cut to 10 steps on a 300 kB corpus, no checkpoints, plots or eval.
 

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import ROOT, tiny_config
+from helpers import ROOT, process_env, tiny_config
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.launch import free_port
@@ -36,13 +36,6 @@ PLAN = ["--config.mesh.dp=2", "--config.mesh.tp=4", "--config.ntp.failed=1:2"]
 STEPS = 4
 
 
-def _env(**extra):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # train.py gives each process mesh.dp * mesh.tp / processes
-  env.update(extra)
-  return env
-
-
 def _train_args(workdir, *extra):
   return [sys.executable, "train.py", "--config", "configs/gpt_tiny.py", *PLAN,
           f"--config.workdir={workdir}", "--config.train.plot=False",
@@ -54,7 +47,7 @@ def _launch(processes, workdir, *extra, timeout=420):
   command = [sys.executable, "-m", "ntp_jax.launch", f"--processes={processes}", "--",
              *_train_args(workdir, *extra)]
   return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                        env=_env())
+                        env=process_env())
 
 
 def _losses(workdir):
@@ -121,7 +114,7 @@ def test_tp_group_across_hosts_needs_processes_per_domain():
 
 
 def _start(process_id, workdir, port, *extra):
-  env = _env(**{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: "2",
+  env = process_env(**{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: "2",
                 ENV_PROCESS_ID: str(process_id), "PYTHONUNBUFFERED": "1"})
   log = open(os.path.join(workdir, f"process{process_id}.log"), "w")
   return subprocess.Popen(_train_args(workdir, *extra), cwd=ROOT, env=env, stdout=log,
@@ -170,7 +163,7 @@ def test_lost_process_stops_the_survivor_and_a_smaller_restart_resumes(tmp_path)
   shutil.copytree(workdir / "checkpoints", reference / "checkpoints")
   smaller = ["--config.mesh.dp=1", "--config.ntp.failed=", f"--config.train.steps={latest + 2}"]
   resumed = subprocess.run(_train_args(workdir, "--config.checkpoint.every=2", *smaller),
-                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=process_env())
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resuming from step {latest}" in resumed.stdout
   # The same resume from a copy of that checkpoint, in this process: the same losses.
@@ -189,7 +182,7 @@ def test_uneven_collectives_across_processes_equal_numpy():
   command = [sys.executable, "-m", "ntp_jax.launch", "--processes=2", "--devices-per-process=4",
              "--", sys.executable, "tests/programs/gloo_collectives.py", "30"]
   done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                        env=_env())
+                        env=process_env())
   assert done.returncode == 0, done.stdout[-3000:]
   for i in range(2):
     assert f"[{i}] process {i}: 30 repetitions equal numpy" in done.stdout

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import ROOT, tiny_config
+from helpers import ROOT, process_env, tiny_config
 
 from ntp_jax.launch import free_port
 from ntp_jax.parallel.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
@@ -26,13 +26,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 STEPS = 40
 BASE = {"mesh.dp": 2, "mesh.tp": 4, "train.log_every": 1, "train.steps": STEPS}
 HEARTBEAT_S = 5
-
-
-def _env(**extra):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # train.py gives each process mesh.dp * mesh.tp / processes
-  env.update(extra)
-  return env
 
 
 def _args(workdir, settings, program="train.py"):
@@ -51,6 +44,16 @@ def _losses(records):
   return {r["step"]: r["loss"] for r in records if "loss" in r and "event" not in r}
 
 
+def _equal_losses(workdir, expected, steps=STEPS):
+  """The run's records, after checking that its steps 0..steps-1 have ``expected``'s losses."""
+  records = _records(workdir)
+  losses = _losses(records)
+  assert sorted(losses) == list(range(steps))
+  np.testing.assert_allclose([losses[s] for s in range(steps)],
+                             [expected[s] for s in range(steps)], rtol=1e-5)
+  return records
+
+
 def _reference(tmp_path, name, **settings):
   """The same run in this process: step -> loss, and its records."""
   workdir = tmp_path / name
@@ -64,7 +67,7 @@ def _launch(processes, workdir, settings, *, launcher=(), program="train.py", en
   command = [sys.executable, "-m", "ntp_jax.launch", f"--processes={processes}", *launcher,
              "--", *_args(workdir, settings, program)]
   return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                        env=_env(**(env or {})))
+                        env=process_env(**(env or {})))
 
 
 @pytest.mark.parametrize("replica", [1, 0], ids=["process-1-replica", "process-0-replica"])
@@ -75,11 +78,7 @@ def test_a_failure_and_repair_across_processes_recover_live(tmp_path, replica):
   workdir = tmp_path / "two"
   done = _launch(2, workdir, {**BASE, **events, "checkpoint.every": 0})
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-  records = _records(workdir)
-  losses = _losses(records)
-  assert sorted(losses) == list(range(STEPS))
-  np.testing.assert_allclose([losses[s] for s in range(STEPS)],
-                             [expected[s] for s in range(STEPS)], rtol=1e-5)
+  records = _equal_losses(workdir, expected)
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
   damaged = [3, 4] if replica == 0 else [4, 3]
   assert degrees[19] == [4, 4] and degrees[20] == damaged and degrees[29] == damaged
@@ -99,7 +98,7 @@ def _run_until_killed(workdir, settings, die_after, processes=2):
   port = free_port()
   children, logs = [], []
   for i in range(processes):
-    env = _env(**{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
+    env = process_env(**{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
                   ENV_PROCESS_ID: str(i), "PYTHONUNBUFFERED": "1",
                   "NTP_JAX_DIE_AFTER": f"1:{die_after}"})
     log = open(os.path.join(workdir, f"process{i}.log"), "w")
@@ -136,14 +135,11 @@ def test_a_lost_process_leaves_a_just_in_time_checkpoint_and_a_smaller_restart_r
 
   # One process on the four devices left, the same global batch: it resumes at step 21.
   restart = subprocess.run(_args(workdir, {**settings, "mesh.dp": 1}), cwd=ROOT,
-                           capture_output=True, text=True, timeout=400, env=_env())
+                           capture_output=True, text=True, timeout=400, env=process_env())
   assert restart.returncode == 0, restart.stderr[-3000:]
   assert "resuming from step 21" in restart.stdout
-  losses = _losses(_records(workdir))
   # Steps 0-20 from the first session, 21-39 from the restart: only step 21 was in flight.
-  assert sorted(losses) == list(range(STEPS))
-  np.testing.assert_allclose([losses[s] for s in range(STEPS)],
-                             [expected[s] for s in range(STEPS)], rtol=1e-5)
+  _equal_losses(workdir, expected)
 
 
 def test_survivors_go_on_with_their_replicas_in_recoverable_mode(tmp_path):
@@ -158,11 +154,7 @@ def test_survivors_go_on_with_their_replicas_in_recoverable_mode(tmp_path):
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
   assert "[launch] process 1 exited with status 137; the others run on" in done.stderr
   assert "process 0 goes on without it (distributed.recoverable)" in done.stdout
-  records = _records(workdir)
-  losses = _losses(records)
-  assert sorted(losses) == list(range(STEPS))
-  np.testing.assert_allclose([losses[s] for s in range(STEPS)],
-                             [expected[s] for s in range(STEPS)], rtol=1e-5)
+  records = _equal_losses(workdir, expected)
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
   assert degrees[20] == [4, 4] and degrees[21] == [4] and degrees[STEPS - 1] == [4]
   # Only the step in flight was redone; the global batch never changed.
@@ -178,10 +170,7 @@ def test_a_failure_in_a_tp_group_over_two_processes_recovers_live(tmp_path):
   done = _launch(4, workdir, {**BASE, **events, "checkpoint.every": 0,
                               "distributed.processes_per_domain": 2})
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-  records = _records(workdir)
-  losses = _losses(records)
-  np.testing.assert_allclose([losses[s] for s in range(6)], [expected[s] for s in range(6)],
-                             rtol=1e-5)
+  records = _equal_losses(workdir, expected, steps=6)
   recovered = [r for r in records if r.get("event") == "recovered"]
   assert [r["path"] for r in recovered] == ["live"]
   assert {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}[3] == [3, 4]
