@@ -17,6 +17,8 @@ import traceback
 from absl import app, logging
 from ml_collections import config_flags
 
+from ntp_jax.resilience.heartbeat import LOST_EXIT_CODE  # no JAX here: XLA_FLAGS come first
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).")
 
 
@@ -73,12 +75,16 @@ def main(argv):
       job.heartbeat.wait_for_verdict()
     print(f"error: {err}", file=sys.stderr)
     _exit(job, 2)
-  except Exception:
+  except Exception as err:
     if job is None or not job.multi_process:
       raise
     # An error inside a collective is often a lost peer: let the heartbeat name it.
-    if job.heartbeat is not None:
-      job.heartbeat.wait_for_verdict()
+    lost = job.heartbeat.wait_for_verdict() if job.heartbeat is not None else None
+    if lost is not None:
+      cause = " ".join(str(err).split())[:160]
+      print(f"error: {lost}; process {job.process_id} stops ({type(err).__name__} in a step: "
+            f"{cause}); restart the job from its last checkpoint", file=sys.stderr)
+      _exit(job, LOST_EXIT_CODE)
     traceback.print_exc()
     _exit(job, 1)
   if job is not None:

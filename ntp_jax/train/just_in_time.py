@@ -3,7 +3,8 @@
 A process is lost (its heartbeat stopped) before a step's gradient sync
 (``resilience.arrival``): the step's update has not run, so every surviving
 replica still holds the state after the last completed step. One survivor
-that holds a whole replica writes it as a normal checkpoint (logical form,
+that holds a whole replica copies it off its devices (no collective) and writes it
+as a normal checkpoint (logical form,
 the run's ``checkpoint.dir``, the step and data position in its metadata),
 through an orbax manager over the survivors only; the others wait for it.
 Then every survivor stops with one line naming the lost process, the step
@@ -21,12 +22,15 @@ import threading
 import time
 from typing import NoReturn
 
-from ntp_jax.parallel.programs import live_rows
+import numpy as np
+from flax import nnx
+
 from ntp_jax.resilience.arrival import ProcessLost
 from ntp_jax.resilience.heartbeat import LOST_EXIT_CODE
+from ntp_jax.sharding.blocks import from_blocks
 from ntp_jax.sharding.topology import processes_of
 from ntp_jax.state.checkpoint import Checkpoints
-from ntp_jax.state.placement import read_logical
+from ntp_jax.state.placement import Path, leaves_of
 
 DONE_KEY = "ntp_jax/just_in_time"
 
@@ -100,11 +104,7 @@ def write_just_in_time(run, lost: ProcessLost) -> NoReturn:
 
 def _write(run, lost: ProcessLost, writer: int, c: int, r: int) -> None:
   """Replica ``r`` of class ``c`` (all on process ``writer``) as checkpoint ``run.step``."""
-  # That replica alone, on a mesh of its own devices: nothing here touches a lost process.
-  program = live_rows(run.programs[c], {writer})
-  row = [tuple(x) for x in program.mesh.devices].index(tuple(run.programs[c].mesh.devices[r]))
-  logical = read_logical({"params": program.params, "opt_state": program.opt_state},
-                         program.mesh, replica=row)
+  logical = host_logical(run.programs[c], r)
   meta = {"data_cursor": run.cursor, "plan": run.plan.summary(),
           "config": run.config.to_json_dict(), "just_in_time": True,
           "lost_processes": sorted(lost.processes)}
@@ -113,6 +113,29 @@ def _write(run, lost: ProcessLost, writer: int, c: int, r: int) -> None:
                             processes={writer})
   only_writer.save(run.step, logical, meta)
   only_writer.wait()
+
+
+def host_logical(program, replica: int) -> dict[Path, np.ndarray]:
+  """One replica's state as logical host arrays, from its devices' own buffers.
+
+  No program with a collective runs: on CPU even a collective among this process's
+  own devices can fail once a peer's connections close (gloo), so each device's block
+  is copied to the host and the blocks are joined there (``blocks.from_blocks``).
+  """
+  row = list(program.mesh.devices[replica])
+  leaves, _, nodes = leaves_of({"params": program.params, "opt_state": program.opt_state})
+  out = {}
+  for leaf, node in zip(leaves, nodes):
+    value = node.get_value() if isinstance(node, nnx.Variable) else node
+    by_device = {s.device: s.data for s in value.addressable_shards}
+    if leaf.layout is not None:  # [1, 1, *block] per device
+      blocks = np.stack([np.asarray(by_device[d])[0, 0] for d in row])
+      out[leaf.path] = np.asarray(from_blocks(blocks, leaf.layout, leaf.axis))
+    elif leaf.stacked:  # [1, *shape] per device: the replica's own copy
+      out[leaf.path] = np.asarray(by_device[row[0]])[0]
+    else:
+      out[leaf.path] = np.asarray(by_device[row[0]])
+  return out
 
 
 def _stop(message: str) -> NoReturn:

@@ -24,7 +24,7 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
   ``lr * min_lr_ratio`` at ``schedule_steps`` (``train.steps`` unless set).
   Clipping is separate (``clip_by_logical_norm``).
   """
-  length = train.schedule_steps
+  length = train.schedule_steps or train.steps  # 0 (a section read as it is): train.steps
   warmup = min(train.warmup_steps, length)
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=train.lr, warmup_steps=warmup,

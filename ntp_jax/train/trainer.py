@@ -347,12 +347,13 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
       writer.event("stop", step=run.step, signal=stop.received, checkpoint=where)
       saved = (f"checkpoint written to {where}" if where else
                "no checkpoint written (checkpoint.every=0)")
+      plot(run, config, log)  # after the stop's row; the line saying where it stopped is last
       log(f"interrupted at step {run.step} ({stop.received}); {saved}")
     else:
       writer.event("end", step=run.step, checkpoint=where)
       if where:
         log(f"checkpoint written to {where}")
-    plot(run, config, log)
+      plot(run, config, log)
   finally:
     writer.close()
   return TrainResult(plan=run.plan, metrics_path=writer.path, losses=run.losses,
