@@ -136,10 +136,8 @@ def _from_checkpoint(where: str, overrides: dict[str, Any], step: int | None) ->
         hint = (f" (it holds {hf_llama.CONFIG}: give it as {HF_PREFIX}{where})"
                 if os.path.isfile(os.path.join(where, hf_llama.CONFIG)) else "")
         raise ConfigError(f"--from: {where} holds no complete checkpoint{hint}")
-    elif not checkpoints.is_complete(step):
-      have = [s for s in checkpoints.all_steps() if checkpoints.is_complete(s)]
-      raise ConfigError(f"--step: {checkpoints.step_dir(step)} is not a complete checkpoint "
-                        f"(complete steps: {', '.join(map(str, have)) or 'none'})")
+    else:
+      checkpoints.check_complete(step)
     config = checkpoints.meta(step).get("config", {})
     if "model" not in config or "train" not in config:
       raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its metadata holds no "

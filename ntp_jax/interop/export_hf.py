@@ -88,10 +88,8 @@ def export_checkpoint(directory: str, out: str, step: int | None = None, *,
       step = checkpoints.latest_step()
       if step is None:
         raise ConfigError(f"--checkpoint: {directory} holds no complete checkpoint")
-    elif not checkpoints.is_complete(step):
-      have = [s for s in checkpoints.all_steps() if checkpoints.is_complete(s)]
-      raise ConfigError(f"--step: {checkpoints.step_dir(step)} is not a complete checkpoint "
-                        f"(complete steps: {', '.join(map(str, have)) or 'none'})")
+    else:
+      checkpoints.check_complete(step)
     config = checkpoints.meta(step).get("config", {})
     if "model" not in config:
       raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its metadata holds no "

@@ -124,6 +124,14 @@ class Checkpoints:
     return all(os.path.exists(os.path.join(folder, part))
                for part in ("_CHECKPOINT_METADATA", STATE, META))
 
+  def check_complete(self, step: int, field: str = "--step") -> None:
+    """Raises CheckpointError, naming ``field`` and the complete steps there are, unless
+    ``step`` is a complete checkpoint."""
+    if not self.is_complete(step):
+      have = [s for s in self.all_steps() if self.is_complete(s)]
+      raise CheckpointError(f"{field}: {self.step_dir(step)} is not a complete checkpoint "
+                            f"(complete steps: {', '.join(map(str, have)) or 'none'})")
+
   def all_steps(self) -> list[int]:
     self._manager.reload()
     return sorted(self._manager.all_steps())
