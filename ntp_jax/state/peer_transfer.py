@@ -187,8 +187,9 @@ class CrossProcessPeers(SpanningArrays):
           wanted.setdefault((leaf.path, 0), []).extend(row)
     moves = choose_moves(holders, wanted)
     by_path = {leaf.path: leaf for leaf in leaves}
-    piece_bytes = {p: int(np.prod(_piece_shape(leaf, k[p]))) * leaf.dtype.itemsize
-                   for p, leaf in by_path.items()}
+    pieces = {p: dataclasses.replace(leaf, k=k[p]) for p, leaf in by_path.items()}
+    piece_bytes = {p: int(np.prod(leaf.piece_shape)) * leaf.dtype.itemsize
+                   for p, leaf in pieces.items()}
     self.copied_bytes = sum(piece_bytes[m.path] for m in moves if m.source != m.target)
     self.crossed_bytes = sum(piece_bytes[m.path] for m in moves
                              if m.source.process_index != m.target.process_index)
@@ -247,13 +248,11 @@ class CrossProcessPeers(SpanningArrays):
     inputs, perms, shapes, schedule = [], [], [], []
     for path in paths:
       leaf = by_path[path]
-      piece = _piece_shape(leaf, k[path])
+      piece = dataclasses.replace(leaf, k=k[path]).piece_shape
       mine = [m for m in crossing if m.path == path]
-      rounds = rounds_of([(index[m.source], index[m.target]) for m in mine])
-      at: dict[tuple[int, int], Move] = {}  # (round, source index) -> move
-      for r, pairs in enumerate(rounds):
-        for s, t in pairs:
-          at[(r, s)] = _find(mine, s, t, index)
+      by_pair = {(index[m.source], index[m.target]): m for m in mine}  # one per pair
+      rounds = rounds_of(list(by_pair))
+      at = {(r, s): by_pair[(s, t)] for r, pairs in enumerate(rounds) for s, t in pairs}
       blocks = []
       for device in live:
         if not is_mine(device):
@@ -268,16 +267,16 @@ class CrossProcessPeers(SpanningArrays):
           (len(live), len(rounds)) + piece, sharding, blocks))
       perms.append(tuple(tuple(pairs) for pairs in rounds))
       shapes.append((piece, np.dtype(leaf.dtype).name))
-      schedule.append((path, rounds, mine))
+      schedule.append((path, rounds, by_pair))
     outputs = _permute_program(mesh, tuple(shapes), tuple(perms))(*inputs)
     received = {}
-    for (path, rounds, mine), out in zip(schedule, outputs):
+    for (path, rounds, by_pair), out in zip(schedule, outputs):
       by_device = per_device(out)
       for r, pairs in enumerate(rounds):
         for s, t in pairs:
           target = live[t]
           if is_mine(target):
-            move = _find(mine, s, t, index)
+            move = by_pair[(s, t)]
             received[(path, move.piece, target)] = by_device[target][0, r]
     return received
 
@@ -300,19 +299,6 @@ class CrossProcessPeers(SpanningArrays):
     return {leaf.path: jax.make_array_from_single_device_arrays(
         leaf.shape, spanning_sharding(leaf, new_rows, k[leaf.path]), local[leaf.path],
         dtype=leaf.dtype) for leaf in leaves}
-
-
-def _piece_shape(leaf: Leaf, k: int) -> tuple[int, ...]:
-  if leaf.layout is None:
-    return tuple(leaf.shape)
-  shape = list(leaf.shape)
-  shape[leaf.axis] = leaf.layout.size // k
-  return tuple(shape)
-
-
-def _find(moves: list[Move], s: int, t: int, index: dict) -> Move:
-  """The crossing move of ``moves`` from live index ``s`` to ``t`` (one per pair and path)."""
-  return next(m for m in moves if index[m.source] == s and index[m.target] == t)
 
 
 @functools.lru_cache(maxsize=8)
