@@ -142,11 +142,6 @@ def test_a_lost_process_leaves_a_just_in_time_checkpoint_and_a_smaller_restart_r
   _equal_losses(workdir, expected)
 
 
-@pytest.mark.skipif(
-    os.environ.get("NTP_JAX_RECOVERABLE_TESTS") != "1",
-    reason="on CPU (gloo) a survivor's own collectives can hang once a peer's connections "
-           "close: passes alone, hung once in the full suite on 2 cores; opt in with "
-           "NTP_JAX_RECOVERABLE_TESTS=1 (docs/multihost.md)")
 def test_survivors_go_on_with_their_replicas_in_recoverable_mode(tmp_path):
   constant = {"ntp.rebalance": "constant"}
   expected, _ = _reference(tmp_path, "one", **constant)

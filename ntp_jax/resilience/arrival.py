@@ -5,9 +5,10 @@ platform a program already running cannot be called back, so a survivor
 must learn of a loss *before* it enters the step's first collective across
 processes. ``Arrival.wait`` is that point: each process publishes ``arrived
 at step s`` in the coordination service's key-value store and waits for every
-peer's, twice a step: before the step's first program (on CPU a local
-collective that runs while a dead peer's connections close can hang too),
-and after its own gradients, before the gradient sync. A peer
+peer's, twice a step: before the step's first program, once the last step
+has ended on every local device (its loss is read from one device, so its
+sync can still run on the others, and a peer that dies then holds them in
+it), and after its own gradients, before the gradient sync. A peer
 that never arrives is one the heartbeat declares lost; the wait then raises
 ``ProcessLost``, with the step's state untouched (the update has not run),
 so the survivors can write it (a just-in-time checkpoint) or go on without

@@ -118,9 +118,8 @@ def _write(run, lost: ProcessLost, writer: int, c: int, r: int) -> None:
 def host_logical(program, replica: int) -> dict[Path, np.ndarray]:
   """One replica's state as logical host arrays, from its devices' own buffers.
 
-  No program with a collective runs: on CPU even a collective among this process's
-  own devices can fail once a peer's connections close (gloo), so each device's block
-  is copied to the host and the blocks are joined there (``blocks.from_blocks``).
+  No program runs, so nothing can wait on the lost process: each device's block is
+  copied to the host and the blocks are joined there (``blocks.from_blocks``).
   """
   row = list(program.mesh.devices[replica])
   leaves, _, nodes = leaves_of({"params": program.params, "opt_state": program.opt_state})

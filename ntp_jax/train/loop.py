@@ -405,6 +405,12 @@ class TrainingRun:
       # A loss found while this step compiles is taken over once it has: allow for that.
       self.job.heartbeat.takeover_s = max(self.takeover_base_s, COMPILE_TAKEOVER_S)
     if self.job_step.before_sync is not None:
+      # The last step's loss was read from one device: its sync may still run on the others.
+      # Arrive once it has ended on every local device, so that no collective across
+      # processes is in flight while the peers are counted (a peer that dies then cannot
+      # hold this process in one).
+      jax.block_until_ready([(p.params, p.opt_state) for p, local
+                             in zip(self.programs, self.job_step.local) if local])
       self._arrive("start")  # every process is here: none of this step's programs has run
     metrics = self.job_step(batch)
     # Both block: with several classes the loss is ready before the update is done.
