@@ -93,7 +93,7 @@ def check_layer(module, args, arg_specs, out_spec, reference, *, out_layout=None
 
   out = jax.jit(run)(state, *args)
   logical = to_logical(state)
-  expected = reference(logical, *args)
+  expected = jax.jit(reference)(logical, *args)  # compiled: op by op takes seconds
   np.testing.assert_allclose(to_logical_out(out), expected, rtol=RTOL, atol=ATOL)
   if out_layout is not None:
     # The padded output columns are zero.
@@ -103,8 +103,8 @@ def check_layer(module, args, arg_specs, out_spec, reference, *, out_layout=None
   argnums = (0,) + tuple(1 + i for i in grad_args)
   grads = jax.jit(jax.grad(lambda s, *a: jnp.sum(to_logical_out(run(s, *a)) * cotangent),
                            argnums=argnums))(state, *args)
-  ref_grads = jax.grad(lambda p, *a: jnp.sum(reference(p, *a) * cotangent),
-                       argnums=argnums)(logical, *args)
+  ref_grads = jax.jit(jax.grad(lambda p, *a: jnp.sum(reference(p, *a) * cotangent),
+                               argnums=argnums))(logical, *args)
   layer_grads = sum_shared_global(grads[0])
   assert_padding_zero(layer_grads)
   got = to_logical(layer_grads)

@@ -65,3 +65,8 @@ def gpt_logits(p, tokens, cfg):
 def gpt_loss(p, tokens, targets, cfg):
   """Mean next-token cross-entropy over all tokens."""
   return jnp.mean(cross_entropy(gpt_logits(p, tokens, cfg), targets))
+
+
+# Compiled once per shape (and kept in the run's compilation cache): op-by-op, one model's
+# value and gradient took 14 s on 2 CPU cores, compiled 3 s, each later call milliseconds.
+gpt_loss_and_grad = jax.jit(jax.value_and_grad(gpt_loss), static_argnums=3)

@@ -36,7 +36,7 @@ def test_gpt_loss_and_gradient_match_dense_reference(group):
   params, grads = replica_view(params), replica_view(grads)
 
   logical = to_logical(params)
-  ref_loss, ref_grads = jax.value_and_grad(ref.gpt_loss)(logical, batch[:, :-1], batch[:, 1:], CFG)
+  ref_loss, ref_grads = ref.gpt_loss_and_grad(logical, batch[:, :-1], batch[:, 1:], CFG)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert_padding_zero(grads)
   jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6),
@@ -64,7 +64,7 @@ def test_tied_embeddings_loss_and_gradient_match_dense_reference(group):
 
   logical = to_logical(params)
   assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(logical)) == count_params(cfg)
-  ref_loss, ref_grads = jax.value_and_grad(ref.gpt_loss)(logical, batch[:, :-1], batch[:, 1:], cfg)
+  ref_loss, ref_grads = ref.gpt_loss_and_grad(logical, batch[:, :-1], batch[:, 1:], cfg)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   # The table's gradient holds both uses (lookup and head); padded rows get none.
   assert_padding_zero(grads)
@@ -87,7 +87,7 @@ def test_scanned_unrolled_and_rematerialised_blocks_match_dense_reference(scan, 
   # Each layer drew its own weights.
   wq = logical["blocks"]["attn"]["wq"]
   assert wq.shape == (3, 16, 64) and not np.allclose(wq[0], wq[1])
-  ref_loss, ref_grads = jax.value_and_grad(ref.gpt_loss)(logical, batch[:, :-1], batch[:, 1:], cfg)
+  ref_loss, ref_grads = ref.gpt_loss_and_grad(logical, batch[:, :-1], batch[:, 1:], cfg)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6),
                to_logical(replica_view(grads)), ref_grads)

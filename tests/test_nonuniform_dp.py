@@ -25,15 +25,23 @@ def test_2x4_matches_single_device_for_10_steps(single_device, failed):
     assert_trees_close(replica_params, single_device[2][0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("failed,degrees", [("1:0,1:3", [4, 2]), ("1:2", [4, 3])],
-                         ids=["near-equal-runs", "nested-attention"])
-def test_every_replica_has_identical_gradients_after_sync(failed, degrees):
-  # With SGD at lr 1 and no clipping, params_before - params_after is the synced gradient.
-  # 4 + 3 syncs attention through the nested regroup (sync.regroup_plan), 4 + 2 does not.
+@pytest.fixture(scope="module")
+def dense_sgd_step():
+  """One device's parameters before and after one SGD step at lr 1, no clipping."""
   sgd = optax.sgd(1.0)
   _, _, before, _ = run_job(tp=1, dp=1, steps=0, optimizer=sgd, clip_norm=0)
-  _, _, dense_after, _ = run_job(tp=1, dp=1, steps=1, optimizer=sgd, clip_norm=0)
-  _, plan, after, _ = run_job(tp=4, dp=2, failed=failed, steps=1, optimizer=sgd, clip_norm=0)
+  _, _, after, _ = run_job(tp=1, dp=1, steps=1, optimizer=sgd, clip_norm=0)
+  return before, after
+
+
+@pytest.mark.parametrize("failed,degrees", [("1:0,1:3", [4, 2]), ("1:2", [4, 3])],
+                         ids=["near-equal-runs", "nested-attention"])
+def test_every_replica_has_identical_gradients_after_sync(dense_sgd_step, failed, degrees):
+  # With SGD at lr 1 and no clipping, params_before - params_after is the synced gradient.
+  # 4 + 3 syncs attention through the nested regroup (sync.regroup_plan), 4 + 2 does not.
+  before, dense_after = dense_sgd_step
+  _, plan, after, _ = run_job(tp=4, dp=2, failed=failed, steps=1, optimizer=optax.sgd(1.0),
+                              clip_norm=0)
   assert [r.degree for r in plan.replicas] == degrees
   dense_grad = _minus(before[0], dense_after[0])
   for replica_after in after:
@@ -64,38 +72,47 @@ def test_slot_weights_give_slow_slot_fewer_units_and_same_result(single_device):
   np.testing.assert_allclose(losses, single_device[0][:3], rtol=2e-5)
 
 
-@pytest.mark.parametrize("tp,dp,failed,degrees", [
+MIXED = [  # (tp, dp, failed slots, TP degrees of the replicas)
     (4, 3, "1:3,2:2,2:3", [4, 3, 2]),
     (8, 2, "1:3", [8, 7]),
     (8, 2, "1:1,1:2,1:4", [8, 5]),
     (8, 3, "1:5,2:0,2:7", [8, 7, 6]),
-])
-def test_mixed_degrees_match_single_device_in_subprocess(tp, dp, failed, degrees):
-  """Needs tp * dp devices: runs with its own device count.
+]
+
+
+def test_mixed_degrees_match_single_device_in_subprocess():
+  """Needs up to 24 devices: one subprocess of its own device count runs every plan of
+  ``MIXED`` (one start-up, and one single-device reference per batch size).
 
   Plain SGD here: the parameters are compared to 2e-6 absolute.
   """
-  code = (
-      "import json, sys, optax; sys.path.insert(0, 'tests');"
-      "from helpers import run_job;"
-      "sgd = optax.sgd(0.5);"
-      f"ref = run_job(tp=1, dp=1, steps=10, batch_size={2 * dp}, optimizer=sgd);"
-      f"out = run_job(tp={tp}, dp={dp}, failed='{failed}', steps=10, batch_size={2 * dp},"
-      "              optimizer=sgd);"
-      "import numpy as np, jax;"
-      "diff = max(float(np.max(np.abs(a - b))) for p in out[2] "
-      "           for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref[2][0])));"
-      "print(json.dumps(dict(ref=ref[0], out=out[0], diff=diff,"
-      "                      degrees=[r.degree for r in out[1].replicas])))")
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={tp * dp}",
+  code = f"""
+import json, sys
+import jax, numpy as np, optax
+sys.path.insert(0, "tests")
+from helpers import run_job
+sgd, refs = optax.sgd(0.5), {{}}
+for tp, dp, failed in {[(tp, dp, failed) for tp, dp, failed, _ in MIXED]!r}:
+  if dp not in refs:
+    refs[dp] = run_job(tp=1, dp=1, steps=10, batch_size=2 * dp, optimizer=sgd)
+  ref = refs[dp]
+  out = run_job(tp=tp, dp=dp, failed=failed, steps=10, batch_size=2 * dp, optimizer=sgd)
+  diff = max(float(np.max(np.abs(a - b))) for p in out[2]
+             for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref[2][0])))
+  print(json.dumps(dict(ref=ref[0], out=out[0], diff=diff,
+                        degrees=[r.degree for r in out[1].replicas])), flush=True)
+"""
+  devices = max(tp * dp for tp, dp, _, _ in MIXED)
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
-  report = json.loads(result.stdout.strip().splitlines()[-1])
-  assert report["degrees"] == degrees
-  np.testing.assert_allclose(report["out"], report["ref"], rtol=2e-5)
-  assert report["diff"] < 2e-6, report
+  reports = [json.loads(line) for line in result.stdout.strip().splitlines()[-len(MIXED):]]
+  for (tp, dp, failed, degrees), report in zip(MIXED, reports):
+    assert report["degrees"] == degrees, (tp, dp, failed)
+    np.testing.assert_allclose(report["out"], report["ref"], rtol=2e-5)
+    assert report["diff"] < 2e-6, (tp, dp, failed, report)
 
 
 def test_every_replica_keeps_identical_optimizer_state():
