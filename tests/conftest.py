@@ -1,10 +1,18 @@
-"""Test set-up: 8 simulated CPU devices, fixed before JAX starts, and one compilation cache.
+"""Test set-up: 8 simulated CPU devices, fixed before JAX starts, one compilation cache and one
+data cache per run, and the TP plans of each tier.
 
-Many tests compile the same programs (gpt_tiny on the same plans) in several
-processes: xdist workers and the ``train.py`` subprocesses they start. One
-persistent compilation cache per test run, shared through the environment,
-compiles each program once; it holds XLA executables keyed by the program
-and its options, so no result depends on it. It is removed at the end.
+The tiers are folders: ``unit`` (no sharded program), ``ops`` (every sharded operation
+against its dense reference on the fast plans), ``plans`` (the same checks on the other TP
+plans), ``integration`` (``train()`` in this process), ``system`` (subprocesses and
+multi-process jobs). The fast tier is ``tests/unit tests/ops``.
+
+Many tests compile the same programs (gpt_tiny on the same plans) in several processes: xdist
+workers and the ``train.py`` subprocesses they start. One persistent compilation cache per
+test run, shared through the environment, compiles each program once; it holds XLA
+executables keyed by the program and its options, so no result depends on it. Tokenized
+corpora are cached the same way (``data.cache_dir``, through ``NTP_JAX_TESTS_DATA``): the
+first run that needs the 300 kB corpus trains its BPE, the others load it. Both are removed
+at the end.
 """
 
 import os
@@ -16,6 +24,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
                                                          f"ntp_jax_tests_{_RUN}")
   os.environ["NTP_JAX_TESTS_OWN_CACHE"] = "1"  # this run made it: remove it at the end
+if "NTP_JAX_TESTS_DATA" not in os.environ:
+  os.environ["NTP_JAX_TESTS_DATA"] = os.path.join(tempfile.gettempdir(),
+                                                  f"ntp_jax_tests_data_{_RUN}")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -24,7 +35,7 @@ if "--xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
-import pytest  # noqa: E402
+from tp_cases import group_id, groups_for  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
@@ -34,22 +45,21 @@ if len(jax.devices()) < 8:
       "XLA_FLAGS was set before conftest ran")
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m / -k deselect: every collected test is seen
-def pytest_collection_modifyitems(config, items):
-  """Mark the full-suite-only tests (``tests/tiers.py``) ``slow``; a stale id is an error."""
-  from tiers import SLOW
-
-  ids = {item.nodeid for item in items}
-  for item in items:
-    if item.nodeid in SLOW:
-      item.add_marker(pytest.mark.slow)
-  files = {i.split("::")[0] for i in ids}  # a file collected whole can tell an id is gone
-  stale = sorted(i for i in SLOW - ids if i.split("::")[0] in files and "::" in i)
-  if stale and not any("::" in a for a in config.args):
-    raise pytest.UsageError(f"tests/tiers.py names tests that do not exist: {stale}")
+def pytest_generate_tests(metafunc):
+  """``@pytest.mark.tp_groups(fast=..., extra=...)``: the fast groups in ``tests/ops``, the
+  others where ``tests/plans`` imports the check."""
+  marker = metafunc.definition.get_closest_marker("tp_groups")
+  if marker is None:
+    return
+  more = metafunc.module.__name__.startswith("plans.")
+  groups = groups_for(more, **marker.kwargs)
+  metafunc.parametrize("group", groups, ids=[group_id(g) for g in groups])
 
 
 def pytest_unconfigure(config):
-  """The run's compilation cache goes with the run (the controller removes it, last)."""
-  if not hasattr(config, "workerinput") and os.environ.get("NTP_JAX_TESTS_OWN_CACHE"):
-    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+  """The run's caches go with the run (the controller removes them, last)."""
+  if not hasattr(config, "workerinput"):
+    if os.environ.get("NTP_JAX_TESTS_OWN_CACHE"):
+      shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    if os.environ["NTP_JAX_TESTS_DATA"].endswith(f"_{_RUN}"):
+      shutil.rmtree(os.environ["NTP_JAX_TESTS_DATA"], ignore_errors=True)

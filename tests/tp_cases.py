@@ -1,10 +1,9 @@
 """TP groups used across tests: every degree 1..8, failures in the middle, at the ends, several.
 
-Parametrize with ``tp_groups()``: the groups in ``FAST_GROUPS`` run in the fast tier
-(``-m "not slow"``), the others in the full suite only.
+A parity check marked ``@pytest.mark.tp_groups()`` takes a ``group`` argument, ``(tp, failed
+slots)``. In ``tests/ops/`` (the fast tier) it runs on ``FAST_GROUPS``; ``tests/plans/``
+imports the same check and runs it on every other group of ``TP_GROUPS`` (``conftest.py``).
 """
-
-import pytest
 
 TP_GROUPS = [
     (1, ()),  # degree 1
@@ -20,18 +19,21 @@ TP_GROUPS = [
     (8, ()),  # degree 8
 ]
 
+# The fast tier's plans: uneven with a shared KV group (degree 3), the main case (degree 7 of 8,
+# a failure in the middle), half the group lost at one end (degree 4), and healthy (degree 8).
+FAST_GROUPS = ((3, ()), (8, (3,)), (8, (0, 1, 2, 3)), (8, ()))
+
 
 def group_id(group):
   tp, failed = group
   return f"tp{tp}-failed{','.join(map(str, failed)) or 'none'}"
 
 
-# The fast tier's plans: uneven with a shared KV group (degree 3), the main case (degree 7 of 8,
-# a failure in the middle), half the group lost at one end (degree 4), and healthy (degree 8).
-FAST_GROUPS = {(3, ()), (8, (3,)), (8, (0, 1, 2, 3)), (8, ())}
-
-
-def tp_groups(extra=()):
-  """``TP_GROUPS`` (and ``extra``) as ``pytest.param``s; those outside ``FAST_GROUPS`` are slow."""
-  return [pytest.param(g, id=group_id(g), marks=() if g in FAST_GROUPS else pytest.mark.slow)
-          for g in [*TP_GROUPS, *extra]]
+def groups_for(more, fast=FAST_GROUPS, extra=(), others=None):
+  """``fast`` for the fast tier; for ``tests/plans`` (``more``), ``others`` if given, else the
+  rest of ``TP_GROUPS`` and ``extra``."""
+  if not more:
+    return list(fast)
+  if others is not None:
+    return list(others)
+  return [g for g in [*TP_GROUPS, *extra] if g not in tuple(fast)]

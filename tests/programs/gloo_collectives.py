@@ -1,4 +1,4 @@
-"""Uneven all-gather and reduce-scatter across processes (run by tests/test_multiprocess.py).
+"""Uneven all-gather and reduce-scatter across processes (run by tests/system/test_multiprocess.py).
 
   python -m ntp_jax.launch --processes 2 --devices-per-process 4 -- \
       python tests/programs/gloo_collectives.py REPS

@@ -4,7 +4,8 @@
 
 A lost host at a known point of the run: the step is complete everywhere (its
 sync is shared), and process 0 already waits at the next step's start, so the
-survivors meet the loss there (``resilience.arrival``). Run by tests/test_multiprocess_recovery.py.
+survivors meet the loss there (``resilience.arrival``). Run by
+tests/system/test_multiprocess_recovery.py.
 """
 
 import functools

@@ -8,7 +8,6 @@ import reference as ref
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from layer_check import check_layer, global_to_logical, mesh_for, split_to_global
-from tp_cases import tp_groups
 
 from ntp_jax.layers import (
   Attention,
@@ -31,7 +30,7 @@ def _x(shape, seed=0):
   return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
-@pytest.mark.parametrize("group", tp_groups())
+@pytest.mark.tp_groups()
 def test_column_parallel_linear(group):
   layout = make_layout(11, group[0], failed=group[1])
   layer = ColumnParallelLinear(6, layout, rngs=nnx.Rngs(0))
@@ -39,7 +38,7 @@ def test_column_parallel_linear(group):
               lambda p, x: x @ p["kernel"], out_layout=layout, grad_args=(0,))
 
 
-@pytest.mark.parametrize("group", tp_groups())
+@pytest.mark.tp_groups()
 def test_row_parallel_linear(group):
   layout = make_layout(11, group[0], failed=group[1])
   layer = RowParallelLinear(layout, 6, rngs=nnx.Rngs(0))
@@ -48,7 +47,7 @@ def test_row_parallel_linear(group):
               lambda p, xg: global_to_logical(xg, layout) @ p["kernel"], grad_args=(0,))
 
 
-@pytest.mark.parametrize("group", tp_groups())
+@pytest.mark.tp_groups()
 def test_swiglu(group):
   layout = make_layout(9, group[0], failed=group[1], unit_size=2)  # d_ff 18 in units of 2
   layer = SwiGLU(6, layout, rngs=nnx.Rngs(1))
@@ -62,7 +61,7 @@ def test_swiglu_d_ff_5_on_2_slots():
               lambda p, x: ref.swiglu(x, p), grad_args=(0,))
 
 
-@pytest.mark.parametrize("group", tp_groups())
+@pytest.mark.tp_groups()
 def test_attention(group):
   n_heads, head_dim = 12, 4
   layout = make_layout(6, group[0], failed=group[1])  # 6 KV heads, group of 2
@@ -89,7 +88,7 @@ def _attention_fn(head_dim, theta):
   return fn
 
 
-@pytest.mark.parametrize("group", tp_groups())
+@pytest.mark.tp_groups()
 def test_vocab_parallel_embedding(group):
   layout = make_layout(13, group[0], failed=group[1])
   layer = VocabParallelEmbed(layout, 6, rngs=nnx.Rngs(5))
@@ -132,7 +131,7 @@ def test_cross_entropy_pinned_values():
                              [0.0320586, 0.0871443, 0.2368828, -0.3560858], atol=2e-6)
 
 
-@pytest.mark.parametrize("group", tp_groups(extra=[(8, (1, 2, 3, 4, 5, 6, 7))]))
+@pytest.mark.tp_groups(extra=[(8, (1, 2, 3, 4, 5, 6, 7))])
 def test_cross_entropy(group):
   layout = make_layout(7, group[0], failed=group[1])  # 7 rows: uneven, some slots empty at 8
   logits = 3 * _x((B, S, 7), seed=7)

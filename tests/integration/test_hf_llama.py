@@ -27,7 +27,7 @@ from ntp_jax.parallel.programs import abstract_class_state
 from ntp_jax.sharding.mesh import TP, class_mesh
 from ntp_jax.state.placement import flatten, place_logical
 
-_FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+_FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 _spec = importlib.util.spec_from_file_location(
     "make_hf_reference", os.path.join(_FIXTURES, "make_hf_reference.py"))
 fixture = importlib.util.module_from_spec(_spec)

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from layer_check import global_to_logical, mesh_for, split_to_global
-from tp_cases import tp_groups
 
 from ntp_jax.parallel.sync_leaf import sync_layout
 from ntp_jax.sharding.collectives import (
@@ -24,7 +23,7 @@ def _slot_encoded(layout, rows=3):
   return (1000.0 * (jnp.arange(rows)[:, None] + 1) + jnp.arange(layout.size)[None, :])
 
 
-@pytest.mark.parametrize("group", tp_groups())
+@pytest.mark.tp_groups()
 def test_all_gather_uneven(group):
   layout = make_layout(11, group[0], failed=group[1], unit_size=2)
   x = _slot_encoded(layout)
@@ -38,7 +37,7 @@ def test_all_gather_uneven(group):
   np.testing.assert_array_equal(split_to_global(global_to_logical(grad, layout), layout), grad)
 
 
-@pytest.mark.parametrize("group", tp_groups())
+@pytest.mark.tp_groups()
 def test_reduce_scatter_uneven(group):
   layout = make_layout(7, group[0], failed=group[1])
   x = _slot_encoded(layout)

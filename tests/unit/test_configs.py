@@ -6,13 +6,14 @@ import importlib
 import os
 
 import pytest
+from helpers import ROOT
 
 from models.gpt import GPTConfig, model_layouts
 from ntp_jax.errors import ConfigError
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.train.config import FIELDS, RunConfig
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIG_DIR = os.path.join(ROOT, "configs")
 NAMES = sorted(f[:-3] for f in os.listdir(CONFIG_DIR) if f.endswith(".py") and f != "__init__.py")
 
 

@@ -89,7 +89,7 @@ def test_mixed_degrees_match_single_device_in_subprocess():
   code = f"""
 import json, sys
 import jax, numpy as np, optax
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests")  # the repository root is the working directory
 from helpers import run_job
 sgd, refs = optax.sgd(0.5), {{}}
 for tp, dp, failed in {[(tp, dp, failed) for tp, dp, failed, _ in MIXED]!r}:

@@ -27,7 +27,7 @@ from ntp_jax.parallel.programs import logical_state
 from ntp_jax.train.metrics import read_records
 from ntp_jax.train.trainer import train
 
-_FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+_FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 _spec = importlib.util.spec_from_file_location(
     "make_hf_reference", os.path.join(_FIXTURES, "make_hf_reference.py"))
 fixture = importlib.util.module_from_spec(_spec)

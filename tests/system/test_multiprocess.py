@@ -68,7 +68,6 @@ def single_process_losses(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_two_processes_of_four_devices_equal_one_process(tmp_path, single_process_losses):
   done = _launch(2, tmp_path, f"--config.train.steps={STEPS}", "--config.checkpoint.every=2")
   assert done.returncode == 0, done.stdout[-3000:]
@@ -86,7 +85,6 @@ def test_two_processes_of_four_devices_equal_one_process(tmp_path, single_proces
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_four_processes_of_two_devices_equal_one_process(tmp_path, single_process_losses):
   """Each TP group spans two processes (one scale-up domain of two hosts)."""
   done = _launch(4, tmp_path, f"--config.train.steps={STEPS}", "--config.checkpoint.every=0",
@@ -96,7 +94,6 @@ def test_four_processes_of_two_devices_equal_one_process(tmp_path, single_proces
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_checkpoints_refused_where_a_process_would_hold_no_piece(tmp_path):
   done = _launch(4, tmp_path, "--config.train.steps=1", "--config.checkpoint.every=1",
                  "--config.distributed.processes_per_domain=2", timeout=180)
@@ -128,7 +125,6 @@ def _stop(process):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_lost_process_stops_the_survivor_and_a_smaller_restart_resumes(tmp_path):
   workdir = tmp_path / "run"
   workdir.mkdir()
@@ -176,7 +172,6 @@ def test_lost_process_stops_the_survivor_and_a_smaller_restart_resumes(tmp_path)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_uneven_collectives_across_processes_equal_numpy():
   """All-gather and reduce-scatter of uneven float64 blocks over gloo, 30 repetitions."""
   command = [sys.executable, "-m", "ntp_jax.launch", "--processes=2", "--devices-per-process=4",
@@ -211,7 +206,6 @@ def test_settings_from_config_and_launcher_variables():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
   """Preemption reaches one process: both stop at one agreed step and write its checkpoint."""
   extra = ["--config.train.steps=400", "--config.checkpoint.every=50"]

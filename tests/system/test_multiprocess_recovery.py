@@ -2,7 +2,7 @@
 checkpoint when a process is lost, and survivors that go on (``distributed.recoverable``).
 
 Each multi-process run is compared with the same run in this one process (8 CPU devices),
-which equals the uninterrupted multi-process job (tests/test_multiprocess.py). Every process
+which equals the uninterrupted multi-process job (tests/system/test_multiprocess.py). Every process
 started here runs under a timeout and is killed by id at the end.
 """
 
@@ -21,7 +21,7 @@ from ntp_jax.launch import free_port
 from ntp_jax.parallel.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from ntp_jax.train.trainer import train
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = pytest.mark.multiprocess
 
 STEPS = 40
 BASE = {"mesh.dp": 2, "mesh.tp": 4, "train.log_every": 1, "train.steps": STEPS}

@@ -9,6 +9,7 @@ import sys
 import ml_collections
 import pytest
 from absl import flags
+from helpers import ROOT
 from ml_collections import config_flags
 
 from models.gpt import GPTConfig
@@ -17,7 +18,6 @@ from ntp_jax.train.cli import config_path, parse_command_line
 from ntp_jax.train.config import RunConfig
 from ntp_jax.train.model_spec import load_model_spec
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "gpt_tiny.py")
 
 
