@@ -1,5 +1,5 @@
-"""Test set-up: 8 simulated CPU devices, fixed before JAX starts, one compilation cache and one
-data cache per run, and the TP plans of each tier.
+"""Test set-up: 8 simulated CPU devices, fixed before JAX starts, one compilation cache per
+run, and the TP plans of each tier.
 
 The tiers are folders: ``unit`` (no sharded program), ``ops`` (every sharded operation
 against its dense reference on the fast plans), ``plans`` (the same checks on the other TP
@@ -9,10 +9,9 @@ multi-process jobs). The fast tier is ``tests/unit tests/ops``.
 Many tests compile the same programs (gpt_tiny on the same plans) in several processes: xdist
 workers and the ``train.py`` subprocesses they start. One persistent compilation cache per
 test run, shared through the environment, compiles each program once; it holds XLA
-executables keyed by the program and its options, so no result depends on it. Tokenized
-corpora are cached the same way (``data.cache_dir``, through ``NTP_JAX_TESTS_DATA``): the
-first run that needs the 300 kB corpus trains its BPE, the others load it. Both are removed
-at the end.
+executables keyed by the program and its options, so no result depends on it. It is
+removed at the end. (A workdir's BPE on the 300 kB corpus takes about 0.3 s here: a shared
+data cache would not pay.)
 """
 
 import os
@@ -24,9 +23,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
                                                          f"ntp_jax_tests_{_RUN}")
   os.environ["NTP_JAX_TESTS_OWN_CACHE"] = "1"  # this run made it: remove it at the end
-if "NTP_JAX_TESTS_DATA" not in os.environ:
-  os.environ["NTP_JAX_TESTS_DATA"] = os.path.join(tempfile.gettempdir(),
-                                                  f"ntp_jax_tests_data_{_RUN}")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -57,9 +53,6 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_unconfigure(config):
-  """The run's caches go with the run (the controller removes them, last)."""
-  if not hasattr(config, "workerinput"):
-    if os.environ.get("NTP_JAX_TESTS_OWN_CACHE"):
-      shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-    if os.environ["NTP_JAX_TESTS_DATA"].endswith(f"_{_RUN}"):
-      shutil.rmtree(os.environ["NTP_JAX_TESTS_DATA"], ignore_errors=True)
+  """The run's compilation cache goes with the run (the controller removes it, last)."""
+  if not hasattr(config, "workerinput") and os.environ.get("NTP_JAX_TESTS_OWN_CACHE"):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
