@@ -17,9 +17,9 @@ QUIET = dict(log=lambda *_: None)
 MESH = {"mesh.dp": 2, "mesh.tp": 4, "ntp.rebalance": "equal"}
 
 
-def run(workdir, ckpt, steps=40, **overrides):
+def run(workdir, ckpt, steps=12, **overrides):
   config = tiny_config(workdir, **{"train.steps": steps, **MESH, **overrides})
-  config.checkpoint.every = 10
+  config.checkpoint.every = 4
   config.checkpoint.dir = str(ckpt)
   return train(config, **QUIET)
 
@@ -35,14 +35,14 @@ def uninterrupted(workdir, tmp_path_factory):
 
 
 def test_live_failure_and_repair_keep_the_losses_and_the_degrees(workdir, tmp_path, uninterrupted):
-  result = run(workdir, tmp_path, **{"ntp.fail_at": "20@0:3", "ntp.repair_at": "30@0:3"})
+  result = run(workdir, tmp_path, **{"ntp.fail_at": "4@0:3", "ntp.repair_at": "8@0:3"})
   np.testing.assert_allclose(result.losses, uninterrupted, rtol=1e-5)
   records = read_metrics(result.metrics_path)
   degrees = [r["tp_degrees"] for r in records]
-  assert degrees == [[4, 4]] * 20 + [[3, 4]] * 10 + [[4, 4]] * 10
+  assert degrees == [[4, 4]] * 4 + [[3, 4]] * 4 + [[4, 4]] * 4
   # Nothing redone, no sequence skipped or repeated: the cursor advances by the batch.
   assert result.redone_steps == 0
-  assert [r["data_cursor"] for r in records] == [16 * (i + 1) for i in range(40)]
+  assert [r["data_cursor"] for r in records] == [16 * (i + 1) for i in range(12)]
   # The repair returns to the healthy layout: its program is a cache hit.
   hits, misses = result.cache
   assert hits >= 1
@@ -56,38 +56,38 @@ def test_a_failure_detector_hook_drives_the_same_recovery(workdir, tmp_path, uni
   from ntp_jax.resilience.events import DeviceFailure, Event
 
   def detector(step):
-    if step == 20:
+    if step == 4:
       raise DeviceFailure(0, 3)  # as a health check that lost a device would
-    return [Event(30, False, "repair", 0, 3)] if step == 30 else []
+    return [Event(8, False, "repair", 0, 3)] if step == 8 else []
 
-  config = tiny_config(workdir, **{"train.steps": 40, **MESH})
+  config = tiny_config(workdir, **{"train.steps": 12, **MESH})
   config.checkpoint.every = 0
   result = train(config, detector=detector, **QUIET)
   np.testing.assert_allclose(result.losses, uninterrupted, rtol=1e-5)
   degrees = [r["tp_degrees"] for r in read_metrics(result.metrics_path)]
-  assert degrees[19:21] == [[4, 4], [3, 4]] and degrees[30] == [4, 4]
+  assert degrees[3:5] == [[4, 4], [3, 4]] and degrees[8] == [4, 4]
 
 
 def test_restart_path_and_a_failure_inside_a_step_give_the_same_losses(workdir, tmp_path,
                                                                        uninterrupted):
-  result = run(workdir, tmp_path, **{"ntp.fail_at": "20.mid@0:3", "ntp.repair_at": "30@0:3",
+  result = run(workdir, tmp_path, **{"ntp.fail_at": "4.mid@0:3", "ntp.repair_at": "8@0:3",
                                      "ntp.recovery": "restart"})
-  np.testing.assert_allclose(result.losses[-40:], uninterrupted, rtol=1e-5)
+  np.testing.assert_allclose(result.losses[-12:], uninterrupted, rtol=1e-5)
   assert result.redone_steps == 1
   assert result.goodput["redone"] > 0 and result.goodput["checkpoint_restore"] > 0
 
 
 def test_failures_at_three_places_then_one_more(workdir, tmp_path, uninterrupted):
-  result = run(workdir, tmp_path, **{"ntp.fail_at": "20@0:1,20@1:3,25@0:2"})
+  result = run(workdir, tmp_path, **{"ntp.fail_at": "4@0:1,4@1:3,6@0:2"})
   np.testing.assert_allclose(result.losses, uninterrupted, rtol=1e-5)
   degrees = [r["tp_degrees"] for r in read_metrics(result.metrics_path)]
-  assert degrees[19:21] == [[4, 4], [3, 3]] and degrees[25] == [2, 3]
+  assert degrees[3:5] == [[4, 4], [3, 3]] and degrees[6] == [2, 3]
 
 
 def test_a_failure_that_drops_a_replica_live_equals_restart(workdir, tmp_path):
-  drop = {"ntp.fail_at": "20@1:0,20@1:1,20@1:2,20@1:3"}
-  live = run(workdir, tmp_path / "live", steps=30, **drop)
-  restart = run(workdir, tmp_path / "restart", steps=30, **drop, **{"ntp.recovery": "restart"})
+  drop = {"ntp.fail_at": "4@1:0,4@1:1,4@1:2,4@1:3"}
+  live = run(workdir, tmp_path / "live", steps=8, **drop)
+  restart = run(workdir, tmp_path / "restart", steps=8, **drop, **{"ntp.recovery": "restart"})
   assert [r.replica for r in live.plan.replicas] == [0]
   np.testing.assert_allclose(live.losses, restart.losses, rtol=1e-5)
   assert read_metrics(live.metrics_path)[-1]["global_batch"] == 8
@@ -122,14 +122,14 @@ def test_bad_events_are_one_line_errors_before_training(overrides, field, tmp_pa
 
 def test_one_replica_has_no_peer_and_falls_back_to_the_checkpoint(workdir, tmp_path):
   logged = []
-  config = tiny_config(workdir, **{"train.steps": 14, "mesh.tp": 4, "ntp.fail_at": "12@0:3"})
-  config.checkpoint.every = 10
+  config = tiny_config(workdir, **{"train.steps": 8, "mesh.tp": 4, "ntp.fail_at": "6@0:3"})
+  config.checkpoint.every = 4
   config.checkpoint.dir = str(tmp_path)
   result = train(config, log=logged.append)
   assert any("live recovery impossible" in line for line in logged), logged[-10:]
-  assert result.redone_steps == 2  # steps 10 and 11, after the checkpoint of step 10
+  assert result.redone_steps == 2  # steps 4 and 5, after the checkpoint of step 4
   steps = [r["step"] for r in read_metrics(result.metrics_path)]
-  assert steps == list(range(14))
+  assert steps == list(range(8))
   assert np.isfinite(result.losses).all()
 
 
@@ -145,13 +145,13 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
   from ntp_jax.state.sources import ArraySource
   from ntp_jax.train.optim import make_optimizer
 
-  events = {"ntp.rebalance": "proportional", "ntp.fail_at": "20@0:3", "ntp.repair_at": "30@0:3"}
+  events = {"ntp.rebalance": "proportional", "ntp.fail_at": "4@0:3", "ntp.repair_at": "8@0:3"}
   ntp = run(workdir, tmp_path, **events)
   records = read_metrics(ntp.metrics_path)
   batches = [r["global_batch"] for r in records]
-  assert batches == [16] * 20 + [14] * 10 + [16] * 10
+  assert batches == [16] * 4 + [14] * 4 + [16] * 4
 
-  config = tiny_config(workdir, **{"train.steps": 40})
+  config = tiny_config(workdir, **{"train.steps": 12})
   cfg = GPTConfig.from_config(config.model)
   optimizer = make_optimizer(config.train)
   dataset = make_dataset(None, cfg.vocab_size, config.train.seq_len, str(workdir),
