@@ -1,14 +1,14 @@
-"""End-to-end training: parity across TP layouts, metrics, and bad input from the CLI."""
-
-import os
-import subprocess
-import sys
+"""End-to-end training: parity across TP layouts, metrics, and bad settings or input as one
+line naming the field (in this process: ``RunConfig.from_config`` and ``train``; the real
+``train.py`` runs are in ``tests/system/test_cli_runs.py``)."""
 
 import numpy as np
 import pytest
-from helpers import ROOT, tiny_config
+from helpers import tiny_config
 
-import configs.gpt_tiny
+from ntp_jax.data import DataError
+from ntp_jax.errors import ConfigError
+from ntp_jax.train.config import RunConfig
 from ntp_jax.train.metrics import read_metrics
 from ntp_jax.train.trainer import train
 
@@ -51,46 +51,25 @@ def test_metrics_jsonl_has_one_full_precision_record_per_step(workdir):
     assert r["tp_degrees"] == [6]
 
 
-def _cli(*args, env_extra=None):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env.update(env_extra or {})
-  return subprocess.run([sys.executable, "train.py", "--config", "configs/gpt_tiny.py", *args],
-                        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-
-
-@pytest.mark.parametrize("args,field", [
-    (["--config.ntp.failed=3;5"], "ntp.failed"),
-    (["--config.ntp.failed=9"], "ntp.failed"),
-    (["--config.ntp.failed=0,1,2,3,4,5,6,7"], "ntp.failed"),
-    (["--config.data.path=/nonexistent/corpus.txt"], "data.path"),
-    (["--config.ntp.slot_weights=1,2"], "ntp.slot_weights"),
-    (["--config.train.log_every=0"], "train.log_every"),
-    (["--config.train.batch_size=0"], "train.batch_size"),
-    (["--config.ntp.faild=3"], "ntp.faild"),
-    (["--config.mesh.tpp=2"], "mesh.tpp"),
+@pytest.mark.parametrize("field,value", [
+    ("ntp.failed", "3;5"),
+    ("ntp.failed", "9"),
+    ("ntp.failed", "0,1,2,3,4,5,6,7"),
+    ("ntp.slot_weights", "1,2"),
+    ("train.log_every", 0),
+    ("train.batch_size", 0),
 ])
-def test_bad_input_is_one_line_naming_the_field(args, field, tmp_path):
-  result = _cli(*args, f"--config.workdir={tmp_path}")
-  assert result.returncode == 2, result.stderr[-2000:]
-  lines = [line for line in result.stderr.splitlines() if line.strip()]
-  assert lines[-1].startswith(f"error: {field}:"), result.stderr[-2000:]
-  assert "Traceback" not in result.stderr
+def test_a_bad_setting_is_one_line_naming_the_field(tmp_path, field, value):
+  with pytest.raises(ConfigError) as err:
+    RunConfig.from_config(tiny_config(tmp_path, **{field: value}))
+  assert str(err.value).startswith(f"{field}:") and "\n" not in str(err.value), err.value
 
 
-def test_empty_corpus_is_a_clear_error(tmp_path):
-  empty = tmp_path / "empty.txt"
-  empty.write_text("")
-  result = _cli(f"--config.data.path={empty}", f"--config.workdir={tmp_path}")
-  assert result.returncode == 2
-  assert result.stderr.strip().splitlines()[-1].startswith("error: data.path:")
-
-
-def test_default_tiny_run_lowers_the_loss(tmp_path):
-  """The README's main command, as is (default steps and corpus), on simulated devices."""
-  result = _cli(f"--config.workdir={tmp_path}", "--config.ntp.failed=3")
-  assert result.returncode == 0, result.stderr[-3000:]
-  losses = [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")]
-  assert len(losses) == configs.gpt_tiny.get_config().train.steps
-  assert np.mean(losses[-10:]) < np.mean(losses[:5]) - 1.5, (losses[:5], losses[-10:])
-  assert "TP degree 7" in result.stdout
+@pytest.mark.parametrize("corpus", ["missing", "empty"])
+def test_a_missing_or_empty_corpus_is_one_line_naming_data_path(tmp_path, corpus):
+  path = tmp_path / "corpus.txt"
+  if corpus == "empty":
+    path.write_text("")
+  with pytest.raises((ConfigError, DataError)) as err:
+    train(tiny_config(tmp_path, **{"data.path": str(path)}), log=lambda *_: None)
+  assert str(err.value).startswith("data.path:") and "\n" not in str(err.value), err.value

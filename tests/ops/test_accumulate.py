@@ -1,10 +1,10 @@
-"""Gradient accumulation: a share run as micro-batches equals the single pass."""
+"""Gradient accumulation: a share run as micro-batches equals the single pass (whole steps of
+micro-batched replicas: ``tests/plans/test_accumulate_plans.py``)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close, run_job
 
 from ntp_jax.parallel.accumulate import accumulate, micro_batches
 from ntp_jax.parallel.plan import constant_shares
@@ -42,17 +42,3 @@ def test_constant_shares_keep_the_batch_and_follow_the_degree():
   assert constant_shares(2, {0: 8, 1: 1}) == {0: 1, 1: 1}  # every replica keeps a sequence
   for degrees in ({0: 4, 1: 3, 2: 2}, {0: 1, 1: 7}, {3: 5}):
     assert sum(constant_shares(13, degrees).values()) == 13
-
-
-@pytest.mark.parametrize("tp,dp,failed", [(4, 1, "2"), (4, 2, "1:2")])
-def test_micro_batched_steps_equal_single_pass_steps(tp, dp, failed):
-  """4 micro-batches per healthy replica (the reduced one runs fewer) against one pass: the
-  same losses and parameters after three steps."""
-  one, plan, params, _ = run_job(tp=tp, dp=dp, failed=failed, batch_size=8 * dp,
-                                 rebalance="proportional")
-  four, plan4, params4, _ = run_job(tp=tp, dp=dp, failed=failed, batch_size=8 * dp,
-                                    rebalance="proportional", microbatches=4)
-  assert [c.microbatches for c in plan4.classes] == [
-      -(-c.batch_share // 2) for c in plan.classes]
-  np.testing.assert_allclose(four, one, rtol=1e-6, atol=1e-6)
-  assert_trees_close(params4, params)

@@ -1,4 +1,5 @@
-"""The whole GPT against a dense single-device reference, value and gradient."""
+"""The whole GPT against a dense single-device reference, value and gradient (tied embeddings,
+the other plans, one initialisation on every layout: ``tests/plans/test_model_plans.py``)."""
 
 import jax
 import numpy as np
@@ -45,43 +46,12 @@ def test_gpt_loss_and_gradient_match_dense_reference(group):
       (1, CFG.n_layers, 16, layouts.ffn.block)}
 
 
-@pytest.mark.tp_groups(fast=[(8, (3,))], others=[(3, ())])
-def test_tied_embeddings_loss_and_gradient_match_dense_reference(group):
-  import dataclasses
-  tp, failed = group
-  cfg = dataclasses.replace(CFG, tie_embeddings=True)
-  layouts = model_layouts(cfg, tp, failed)  # vocabulary 37 on 3 or 7 slots: padded rows
-  assert layouts.vocab.block * layouts.vocab.degree > cfg.vocab_size
-  mesh = class_mesh([0], [layouts.heads.live_slots], tp)
-  graphdef, params = init_stacked_params(lambda: GPT(cfg, layouts, rngs=nnx.Rngs(4)), mesh, 1)
-  assert "head" not in params
-  batch = _batch(cfg, 3, 6, seed=1)
-  step = make_loss_and_grad(graphdef, params, mesh, batch[:, 1:].size)
-  loss, grads = jax.jit(step)(params, batch)
-  params, grads = replica_view(params), replica_view(grads)
-
-  logical = to_logical(params)
-  assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(logical)) == count_params(cfg)
-  ref_loss, ref_grads = ref.gpt_loss_and_grad(logical, batch[:, :-1], batch[:, 1:], cfg)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  # The table's gradient holds both uses (lookup and head); padded rows get none.
-  assert_padding_zero(grads)
-  jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6),
-               to_logical(grads), ref_grads)
-
-
 def test_unknown_remat_policy_names_the_field():
   import dataclasses
 
   from ntp_jax.errors import ConfigError
   with pytest.raises(ConfigError, match="model.remat: unknown policy 'ful'"):
     dataclasses.replace(CFG, remat="ful")
-
-
-def test_same_seed_gives_same_logical_parameters_for_every_layout():
-  a = to_logical(nnx.state(GPT(CFG, model_layouts(CFG, 1), rngs=nnx.Rngs(3))))
-  b = to_logical(nnx.state(GPT(CFG, model_layouts(CFG, 8, (2, 5)), rngs=nnx.Rngs(3))))
-  jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 def test_logical_arrays_placed_into_blocks_with_shared_units():

@@ -1,9 +1,9 @@
 """Every command-line mistake of ``train.py`` is one line naming the file or the field, exit
-status 2 (``ntp_jax.train.cli``): parsed in this process, plus two real runs of ``train.py``."""
+status 2 (``ntp_jax.train.cli``), parsed in this process (real runs of ``train.py``:
+``tests/system/test_cli_runs.py``)."""
 
 import importlib
 import os
-import subprocess
 import sys
 
 import ml_collections
@@ -78,6 +78,8 @@ def test_a_config_file_that_raises_names_the_file_and_its_error(monkeypatch, tmp
     ("--config.trian.steps=3", "trian: no such config field; did you mean train?"),
     ("--verbose", "--verbose: no such flag"),
     ("leftover", "leftover: unexpected argument(s)"),
+    ("--config.ntp.faild=3", "ntp.faild: no such config field"),
+    ("--config.mesh.tpp=2", "mesh.tpp: no such config field"),
 ])
 def test_a_bad_override_names_the_field(monkeypatch, arg, expected):
   assert _error(monkeypatch, arg).startswith(expected)
@@ -103,15 +105,3 @@ def test_negative_warmup_is_refused():
   config.train.warmup_steps = -5
   with pytest.raises(ConfigError, match=r"^train.warmup_steps: must be >= 0, got -5$"):
     RunConfig.from_config(ml_collections.ConfigDict(config))
-
-
-@pytest.mark.parametrize("args,line", [
-    (["--config", "configs/missing.py"], "error: --config: no config file configs/missing.py"),
-    (["--config", "configs/gpt_tiny.py", "--config.train.steps=abc"],
-     "error: train.steps: expected a whole number, got 'abc'"),
-])
-def test_train_py_prints_one_line_and_exits_2(args, line):
-  result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-  assert result.returncode == 2, result.stderr[-2000:]
-  assert result.stderr.strip() == line, result.stderr[-2000:]
