@@ -15,7 +15,7 @@ weights go into any NTP plan without a host holding the model. ``export_hf``
 writes logical parameters back as such a folder (float32).
 
 Conventions (checked against ``transformers``' ``LlamaForCausalLM`` by
-``tests/test_hf_llama.py``):
+``tests/integration/test_hf_llama.py``):
 
 - ``nn.Linear`` weights are ``[out, in]``; ours are ``[in, out]``: transposed.
 - The ``L`` layers' tensors are stacked on a leading layer axis

@@ -210,7 +210,7 @@ class RunConfig:
 
 
 # Every field the trainer reads, by section, as written in a config file; ``model`` also holds
-# the factory's own fields. configs/base.py sets each of them (tests/test_configs.py checks).
+# the factory's own fields. configs/base.py sets each of them (tests/unit/test_configs.py checks).
 FIELDS: dict[str, tuple[str, ...]] = {
     "": ("workdir", "dry_run", "model", "mesh", "ntp", "train", "checkpoint", "distributed",
          "data", "compile"),

@@ -27,22 +27,26 @@ def data_workdir(tmp_path_factory):
   return tmp_path_factory.mktemp("resume")
 
 
+# The parts of a run follow the 12-step run's learning-rate curve.
+ONE_CURVE = {"train.schedule_steps": 12}
+
+
 def test_resume_same_plan_gives_identical_losses(data_workdir, tmp_path):
-  whole = run(data_workdir, 12, tmp_path / "whole").losses
-  first = run(data_workdir, 6, tmp_path / "parts")
+  whole = run(data_workdir, 12, tmp_path / "whole", **ONE_CURVE).losses
+  first = run(data_workdir, 6, tmp_path / "parts", **ONE_CURVE)
   assert first.checkpoint.endswith("6")
   shutil.copytree(tmp_path / "parts", tmp_path / "parts_reduced")
-  second = run(data_workdir, 12, tmp_path / "parts")
+  second = run(data_workdir, 12, tmp_path / "parts", **ONE_CURVE)
   assert second.start_step == 6 and len(second.losses) == 6
   assert first.losses + second.losses == whole
   # Onto a plan with one slot failed: same sequences, another layout.
-  reduced = run(data_workdir, 12, tmp_path / "parts_reduced", **{"ntp.failed": "3"})
+  reduced = run(data_workdir, 12, tmp_path / "parts_reduced", **ONE_CURVE, **{"ntp.failed": "3"})
   assert [r.degree for r in reduced.plan.replicas] == [7]
   np.testing.assert_allclose(reduced.losses, whole[6:], rtol=1e-5)
 
 
 def test_resume_onto_a_reduced_replica_matches_the_uninterrupted_run(data_workdir, tmp_path):
-  mesh = {"mesh.dp": 2, "mesh.tp": 4, "ntp.rebalance": "equal"}
+  mesh = {"mesh.dp": 2, "mesh.tp": 4, "ntp.rebalance": "equal", **ONE_CURVE}
   whole = run(data_workdir, 12, tmp_path / "whole", **mesh).losses
   run(data_workdir, 6, tmp_path / "parts", **mesh)
   resumed = run(data_workdir, 12, tmp_path / "parts", **mesh, **{"ntp.failed": "1:2"})

@@ -1,5 +1,5 @@
 """End-to-end training: parity across TP layouts, metrics, and bad settings or input as one
-line naming the field (in this process: ``RunConfig.from_config`` and ``train``; the real
+line naming the field (in this process, from ``train``; the real
 ``train.py`` runs are in ``tests/system/test_cli_runs.py``)."""
 
 import numpy as np
@@ -8,7 +8,6 @@ from helpers import tiny_config
 
 from ntp_jax.data import DataError
 from ntp_jax.errors import ConfigError
-from ntp_jax.train.config import RunConfig
 from ntp_jax.train.metrics import read_metrics
 from ntp_jax.train.trainer import train
 
@@ -61,7 +60,7 @@ def test_metrics_jsonl_has_one_full_precision_record_per_step(workdir):
 ])
 def test_a_bad_setting_is_one_line_naming_the_field(tmp_path, field, value):
   with pytest.raises(ConfigError) as err:
-    RunConfig.from_config(tiny_config(tmp_path, **{field: value}))
+    train(tiny_config(tmp_path, **{field: value}), log=lambda *_: None)
   assert str(err.value).startswith(f"{field}:") and "\n" not in str(err.value), err.value
 
 
