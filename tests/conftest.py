@@ -3,8 +3,9 @@ run, and the TP plans of each tier.
 
 The tiers are folders: ``unit`` (no sharded program), ``ops`` (every sharded operation
 against its dense reference on the fast plans), ``plans`` (the same checks on the other TP
-plans), ``integration`` (``train()`` in this process), ``system`` (subprocesses and
-multi-process jobs). The fast tier is ``tests/unit tests/ops``.
+plans, whole multi-step jobs of mixed-degree replicas), ``integration`` (``train()`` in this
+process), ``system`` (subprocesses and multi-process jobs). The fast tier is ``tests/unit
+tests/ops``.
 
 Many tests compile the same programs (gpt_tiny on the same plans) in several processes: xdist
 workers and the ``train.py`` subprocesses they start. One persistent compilation cache per
