@@ -50,8 +50,7 @@ def test_sigkill_during_an_async_save_resumes_from_the_last_complete_step(tmp_pa
     while time.time() < deadline and proc.poll() is None:
       names = os.listdir(ckpt) if ckpt.exists() else []
       partial = [p for p in names if ".orbax-checkpoint-tmp" in p]
-      done = [p for p in os.listdir(ckpt)] if ckpt.exists() else []
-      if partial and len(done) > 2:
+      if partial and len(names) > 2:
         proc.send_signal(signal.SIGKILL)
         caught = partial
         break
