@@ -70,25 +70,33 @@ def main(argv):
     job = distributed.join(run_config.distributed)
     train(run_config)
   except (ConfigError, DataError) as err:
-    if isinstance(err, CheckpointError) and job is not None and job.heartbeat is not None:
+    if isinstance(err, CheckpointError):
       # A collective save that failed is often a lost peer: let the heartbeat name it first.
-      job.heartbeat.wait_for_verdict()
+      _stop_if_a_peer_was_lost(job, err, "saving a checkpoint")
     print(f"error: {err}", file=sys.stderr)
     _exit(job, 2)
   except Exception as err:
     if job is None or not job.multi_process:
       raise
     # An error inside a collective is often a lost peer: let the heartbeat name it.
-    lost = job.heartbeat.wait_for_verdict() if job.heartbeat is not None else None
-    if lost is not None:
-      cause = " ".join(str(err).split())[:160]
-      print(f"error: {lost}; process {job.process_id} stops ({type(err).__name__} in a step: "
-            f"{cause}); restart the job from its last checkpoint", file=sys.stderr)
-      _exit(job, LOST_EXIT_CODE)
+    _stop_if_a_peer_was_lost(job, err, "in a step")
     traceback.print_exc()
     _exit(job, 1)
   if job is not None:
     job.finish()
+
+
+def _stop_if_a_peer_was_lost(job, err: Exception, where: str) -> None:
+  """After ``err`` in a multi-process job: if the heartbeat finds a lost peer, one line that
+  names it (and ``err`` as its effect), then exit with ``LOST_EXIT_CODE``; else return."""
+  if job is None or job.heartbeat is None:
+    return
+  lost = job.heartbeat.wait_for_verdict()
+  if lost is not None:
+    cause = " ".join(str(err).split())[:160]
+    print(f"error: {lost}; process {job.process_id} stops ({type(err).__name__} {where}: "
+          f"{cause}); restart the job from its last checkpoint", file=sys.stderr)
+    _exit(job, LOST_EXIT_CODE)
 
 
 def _exit(job, status: int) -> None:

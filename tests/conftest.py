@@ -27,9 +27,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flags = os.environ.get("XLA_FLAGS", "")
-if "--xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+# Compile time dominates this suite (tiny programs, many plans). These CPU codegen flags halve
+# it (LLVM without its optimisation passes, the classic fusion emitter) and leave the HLO, and
+# so every program's semantics, as they are; every parity check compares programs compiled
+# alike, and the subprocesses inherit them (helpers.process_env).
+CODEGEN_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+_flags = os.environ.get("XLA_FLAGS", "").split()
+_flags += [f for f in CODEGEN_FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
+if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flags):
+  _flags.append("--xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 from tp_cases import group_id, groups_for  # noqa: E402

@@ -25,11 +25,20 @@ from ntp_jax.train.config import parse_failed, parse_weights
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def process_env(**extra):
-  """The environment for a ``train.py`` subprocess: this one's, without ``XLA_FLAGS``
-  (``train.py`` gives each process ``mesh.dp * mesh.tp / processes`` devices), plus ``extra``."""
+def process_env(devices=None, **extra):
+  """The environment for a subprocess: this one's, with ``XLA_FLAGS`` keeping the suite's
+  codegen flags (``conftest.py``) but not its device count, plus ``extra``.
+
+  ``devices``: CPU devices to simulate; None leaves the count to the command (``train.py``
+  gives each process ``mesh.dp * mesh.tp / processes`` devices).
+  """
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  if devices is not None:
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+  env["XLA_FLAGS"] = " ".join(flags)
+  env.setdefault("JAX_PLATFORMS", "cpu")
   env.update(extra)
   return env
 

@@ -23,8 +23,8 @@ def per_step(result):
 @pytest.mark.parametrize("mesh", [{"mesh.tp": 8, "ntp.failed": "3"},
                                   {"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2"}])
 def test_four_micro_batches_train_as_one_pass(tmp_path, mesh):
-  """gpt_tiny, 20 steps: train.microbatches=4 against 1, at the same global batch."""
-  steps = {"train.steps": 20, **mesh}
+  """gpt_tiny, 6 steps: train.microbatches=4 against 1, at the same global batch."""
+  steps = {"train.steps": 6, **mesh}
   one = run(tmp_path / "one", **steps)
   four = run(tmp_path / "four", **steps, **{"train.microbatches": 4})
   healthy = four.plan.classes[0]
@@ -35,25 +35,25 @@ def test_four_micro_batches_train_as_one_pass(tmp_path, mesh):
 
 
 def test_constant_batch_through_a_failure_and_a_repair(tmp_path):
-  """dp=2 tp=4: replica 1 at degree 3 for steps 10-19 takes 7 of the 16 sequences."""
-  mesh = {"mesh.dp": 2, "mesh.tp": 4, "ntp.rebalance": "constant", "train.steps": 30}
+  """dp=2 tp=4: replica 1 at degree 3 for steps 4-7 takes 7 of the 16 sequences."""
+  mesh = {"mesh.dp": 2, "mesh.tp": 4, "ntp.rebalance": "constant", "train.steps": 12}
   healthy = run(tmp_path / "healthy", **mesh)
   failed = run(tmp_path / "failed", **mesh,
-               **{"ntp.fail_at": "10@1:2", "ntp.repair_at": "20@1:2"})
+               **{"ntp.fail_at": "4@1:2", "ntp.repair_at": "8@1:2"})
   degrees = [r["tp_degrees"] for r in failed.records]
-  assert degrees == [[4, 4]] * 10 + [[4, 3]] * 10 + [[4, 4]] * 10
+  assert degrees == [[4, 4]] * 4 + [[4, 3]] * 4 + [[4, 4]] * 4
   want, got = per_step(healthy), per_step(failed)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   assert got[1:] == want[1:]
-  assert got[2] == [16 * (i + 1) for i in range(30)]
+  assert got[2] == [16 * (i + 1) for i in range(12)]
 
 
 def test_constant_batch_through_a_dropped_replica(tmp_path):
-  """dp=3: replica 2 loses every slot at step 10; the other two absorb its share."""
+  """dp=3: replica 2 loses every slot at step 4; the other two absorb its share."""
   mesh = {"mesh.dp": 3, "mesh.tp": 2, "train.batch_size": 12, "ntp.rebalance": "constant",
-          "train.steps": 16}
+          "train.steps": 8}
   healthy = run(tmp_path / "healthy", **mesh)
-  dropped = run(tmp_path / "dropped", **mesh, **{"ntp.fail_at": "10@2:0,10@2:1"})
+  dropped = run(tmp_path / "dropped", **mesh, **{"ntp.fail_at": "4@2:0,4@2:1"})
   assert [r.replica for r in dropped.plan.replicas] == [0, 1]
   assert [r.batch_share for r in dropped.plan.replicas] == [6, 6]
   want, got = per_step(healthy), per_step(dropped)

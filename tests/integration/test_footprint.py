@@ -10,7 +10,7 @@ import time
 
 import jax
 import pytest
-from helpers import ROOT, tiny_config
+from helpers import ROOT, process_env, tiny_config
 
 import configs.gpt_8b
 from models.gpt import GPTConfig, count_params, gpt_spec
@@ -30,8 +30,7 @@ GIB = 2 ** 30
 
 def _gpt_8b_cli(*args):
   """train.py on gpt_8b: (return code, stdout, stderr, seconds, max RSS bytes)."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = process_env()
   start = time.monotonic()
   proc = subprocess.Popen([sys.executable, "train.py", "--config", "configs/gpt_8b.py", *args],
                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -56,26 +55,23 @@ def test_gpt_8b_on_a_cpu_host_prints_the_plan_and_stops_in_one_line(tmp_path):
   have = host_memory_available()
   if have is None or have > 600 * GIB:
     pytest.skip("this host could hold gpt_8b's step: it would train")
-  healthy = _gpt_8b_cli(f"--config.workdir={tmp_path}")
-  degraded = _gpt_8b_cli(f"--config.workdir={tmp_path}", "--config.ntp.failed=3")
+  # The degraded plan's table comes from the same figures, checked against the hand count
+  # in this process (test_parameter_bytes_per_device_match_the_hand_count).
+  rc, out, err, seconds = _gpt_8b_cli(f"--config.workdir={tmp_path}")
   # The largest child this process has waited for (earlier ones are small test runs).
   peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-  for rc, out, err, seconds in (healthy, degraded):
-    assert rc == 2, err[-2000:]
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert re.match(r"error: the plan needs [\d.]+ GiB of host memory for [78] CPU devices",
-                    lines[-1]), err[-2000:]
-    assert "Traceback" not in err
-    assert "TFLOP/step" in out and "tokens per step: 65,536" in out
-    assert seconds < 300
+  assert rc == 2, err[-2000:]
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert re.match(r"error: the plan needs [\d.]+ GiB of host memory for 8 CPU devices",
+                  lines[-1]), err[-2000:]
+  assert "Traceback" not in err
+  assert "TFLOP/step" in out and "tokens per step: 65,536" in out
+  assert seconds < 300
   assert peak_kib * 1024 < 8e9, peak_kib
   # Every device holds 1/8 of every split parameter: the blocks sum to the model.
-  per_device = _params_gib(healthy[1]) * GIB / 4
+  per_device = _params_gib(out) * GIB / 4
   assert abs(8 * per_device - count_params(cfg)) < 0.002e9, 8 * per_device
   assert abs(count_params(cfg) - 8.03e9) < 0.005e9
-  # One slot lost: the largest slot grows by the hand count of the next test.
-  ratio = _params_gib(degraded[1]) / _params_gib(healthy[1])
-  assert abs(ratio - _degraded_over_healthy(cfg)) < 0.002, ratio
 
 
 def _degraded_over_healthy(cfg) -> float:

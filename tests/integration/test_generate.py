@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ROOT
+from helpers import ROOT, process_env
 from jax.sharding import PartitionSpec as P
 from layer_check import global_to_logical
 
@@ -228,7 +228,7 @@ def run_dir(tmp_path_factory):
 
 def test_command_on_a_run_checkpoint_in_a_new_process(run_dir):
   """``python -m ntp_jax.generate`` as a user runs it, on the run's workdir, degree 7."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the command sets them
+  env = process_env()  # the command sets the device count
   done = subprocess.run(
       [sys.executable, "-m", "ntp_jax.generate", "--from", run_dir, "--prompt", "The plan",
        "--max-new-tokens", "8", "--config.mesh.tp=8", "--config.ntp.failed=3"],

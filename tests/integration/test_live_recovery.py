@@ -141,7 +141,7 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
   from ntp_jax.data import make_dataset
   from ntp_jax.parallel.job_step import JobStep
   from ntp_jax.parallel.plan import make_plan
-  from ntp_jax.parallel.programs import build_class_programs, logical_state
+  from ntp_jax.parallel.programs import ProgramCache, build_class_programs, logical_state
   from ntp_jax.state.sources import ArraySource
   from ntp_jax.train.optim import make_optimizer
 
@@ -158,6 +158,7 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
                          config.train.seed, max_corpus_bytes=config.data.max_corpus_bytes,
                          val_fraction=config.data.val_fraction)
   losses, cursor, programs, source = [], 0, None, None
+  cache = ProgramCache()  # the batch of 16 again: its step compiled once
   for batch in batches:
     if programs is None or batch != programs[0].replica_class.batch_share:
       if programs is not None:
@@ -165,8 +166,9 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
       plan = make_plan(functools.partial(model_layouts, cfg), tp=1, dp=1, batch_size=batch)
       programs = build_class_programs(
           plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(config.train.seed)), optimizer,
-          config.train.clip_norm, batch * config.train.seq_len, jax.devices()[:1], source=source)
-      job = JobStep(plan, programs)
+          config.train.clip_norm, batch * config.train.seq_len, jax.devices()[:1], source=source,
+          cache=cache)
+      job = JobStep(plan, programs, cache=cache)
     losses.append(float(job(dataset.sequences(cursor, batch))["loss"]))
     cursor += batch
   np.testing.assert_allclose(ntp.losses, losses, rtol=1e-4)

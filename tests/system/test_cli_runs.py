@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import ROOT, tiny_config
+from helpers import ROOT, process_env, tiny_config
 
 import configs.gpt_tiny
 from ntp_jax.train.metrics import read_metrics
@@ -21,8 +21,7 @@ from ntp_jax.train.trainer import train
 def _cli(*args, full_corpus=False, **popen):
   """``train.py --config configs/gpt_tiny.py ARGS`` (on the first 300 kB of the corpus unless
   ``full_corpus``), its own device count, the run's compilation cache."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = process_env()
   corpus = [] if full_corpus else ["--config.data.max_corpus_bytes=300000"]
   return subprocess.Popen([sys.executable, "train.py", "--config", "configs/gpt_tiny.py",
                            *corpus, *args],
@@ -130,8 +129,7 @@ state = ocp.StandardCheckpointer().restore(path, target)
 print(state["params"]["embed"]["embedding"].shape,
       state["opt_state"]["0"]["nu"]["head"]["kernel"].shape)
 """
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = process_env(JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, env=env, cwd=str(tmp_path))
   assert result.returncode == 0, result.stderr[-3000:]
@@ -157,8 +155,7 @@ def test_default_tiny_run_lowers_the_loss(tmp_path):
      "error: ntp.failed: "),
 ])
 def test_train_py_prints_one_line_and_exits_2(args, line):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = process_env()
   result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env=env)
   assert result.returncode == 2, result.stderr[-2000:]

@@ -23,7 +23,7 @@ from ntp_jax.train.trainer import train
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 40
+STEPS = 12
 BASE = {"mesh.dp": 2, "mesh.tp": 4, "train.log_every": 1, "train.steps": STEPS}
 HEARTBEAT_S = 5
 
@@ -72,8 +72,8 @@ def _launch(processes, workdir, settings, *, launcher=(), program="train.py", en
 
 @pytest.mark.parametrize("replica", [1, 0], ids=["process-1-replica", "process-0-replica"])
 def test_a_failure_and_repair_across_processes_recover_live(tmp_path, replica):
-  events = {"ntp.recovery": "live", "ntp.fail_at": f"20@{replica}:2",
-            "ntp.repair_at": f"30@{replica}:2"}
+  events = {"ntp.recovery": "live", "ntp.fail_at": f"4@{replica}:2",
+            "ntp.repair_at": f"8@{replica}:2"}
   expected, _ = _reference(tmp_path, "one", **events)
   workdir = tmp_path / "two"
   done = _launch(2, workdir, {**BASE, **events, "checkpoint.every": 0})
@@ -81,8 +81,8 @@ def test_a_failure_and_repair_across_processes_recover_live(tmp_path, replica):
   records = _equal_losses(workdir, expected)
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
   damaged = [3, 4] if replica == 0 else [4, 3]
-  assert degrees[19] == [4, 4] and degrees[20] == damaged and degrees[29] == damaged
-  assert degrees[30] == [4, 4] and degrees[STEPS - 1] == [4, 4]
+  assert degrees[3] == [4, 4] and degrees[4] == damaged and degrees[7] == damaged
+  assert degrees[8] == [4, 4] and degrees[STEPS - 1] == [4, 4]
   recovered = [r for r in records if r.get("event") == "recovered"]
   assert [r["path"] for r in recovered] == ["live", "live"]
   # Replica `replica`'s own live slots hold part of its state; the rest crossed processes.
@@ -125,20 +125,20 @@ def test_a_lost_process_leaves_a_just_in_time_checkpoint_and_a_smaller_restart_r
   workdir = tmp_path / "two"
   settings = {**BASE, "checkpoint.every": 1000,
               "distributed.heartbeat_timeout_s": HEARTBEAT_S}
-  status, seconds, output = _run_until_killed(workdir, settings, die_after=20)
+  status, seconds, output = _run_until_killed(workdir, settings, die_after=6)
   assert status == 3, output[-3000:]
   assert "error: lost process 1 of 2" in output
-  assert "wrote a just-in-time checkpoint of step 21" in output, output[-2000:]
+  assert "wrote a just-in-time checkpoint of step 7" in output, output[-2000:]
   assert seconds < HEARTBEAT_S + 10, seconds
   checkpoints = workdir / "checkpoints"
-  assert sorted(p for p in os.listdir(checkpoints) if p.isdigit()) == ["21"]
+  assert sorted(p for p in os.listdir(checkpoints) if p.isdigit()) == ["7"]
 
-  # One process on the four devices left, the same global batch: it resumes at step 21.
+  # One process on the four devices left, the same global batch: it resumes at step 7.
   restart = subprocess.run(_args(workdir, {**settings, "mesh.dp": 1}), cwd=ROOT,
                            capture_output=True, text=True, timeout=400, env=process_env())
   assert restart.returncode == 0, restart.stderr[-3000:]
-  assert "resuming from step 21" in restart.stdout
-  # Steps 0-20 from the first session, 21-39 from the restart: only step 21 was in flight.
+  assert "resuming from step 7" in restart.stdout
+  # Steps 0-6 from the first session, 7-11 from the restart: only step 7 was in flight.
   _equal_losses(workdir, expected)
 
 
@@ -150,13 +150,13 @@ def test_survivors_go_on_with_their_replicas_in_recoverable_mode(tmp_path):
               "distributed.heartbeat_timeout_s": HEARTBEAT_S}
   done = _launch(2, workdir, settings, launcher=["--run-on"],
                  program="tests/programs/train_then_die.py",
-                 env={"NTP_JAX_DIE_AFTER": "1:20"})
+                 env={"NTP_JAX_DIE_AFTER": "1:6"})
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
   assert "[launch] process 1 exited with status 137; the others run on" in done.stderr
   assert "process 0 goes on without it (distributed.recoverable)" in done.stdout
   records = _equal_losses(workdir, expected)
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
-  assert degrees[20] == [4, 4] and degrees[21] == [4] and degrees[STEPS - 1] == [4]
+  assert degrees[6] == [4, 4] and degrees[7] == [4] and degrees[STEPS - 1] == [4]
   # Only the step in flight was redone; the global batch never changed.
   assert "redone: 1 step(s)" in done.stdout
   assert {r["global_batch"] for r in records if "global_batch" in r} == {16}
