@@ -19,6 +19,8 @@ import os
 import shutil
 import tempfile
 
+from codegen import CODEGEN_FLAGS
+
 _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
@@ -27,11 +29,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Compile time dominates this suite (tiny programs, many plans). These CPU codegen flags halve
-# it (LLVM without its optimisation passes, the classic fusion emitter) and leave the HLO, and
-# so every program's semantics, as they are; every parity check compares programs compiled
-# alike, and the subprocesses inherit them (helpers.process_env).
-CODEGEN_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# Codegen flags that halve compile time (tests/codegen.py); every parity check compares
+# programs compiled alike, and subprocesses inherit them (helpers.process_env).
 _flags = os.environ.get("XLA_FLAGS", "").split()
 _flags += [f for f in CODEGEN_FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
 if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flags):

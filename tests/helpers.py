@@ -12,6 +12,7 @@ import os
 import jax
 import numpy as np
 import optax
+from codegen import without_codegen_flags
 from flax import nnx
 
 import configs.gpt_tiny
@@ -25,16 +26,17 @@ from ntp_jax.train.config import parse_failed, parse_weights
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def process_env(devices=None, **extra):
+def process_env(devices=None, codegen=True, **extra):
   """The environment for a subprocess: this one's, with ``XLA_FLAGS`` keeping the suite's
-  codegen flags (``conftest.py``) but not its device count, plus ``extra``.
+  codegen flags (``tests/codegen.py``) but not its device count, plus ``extra``.
 
   ``devices``: CPU devices to simulate; None leaves the count to the command (``train.py``
-  gives each process ``mesh.dp * mesh.tp / processes`` devices).
+  gives each process ``mesh.dp * mesh.tp / processes`` devices). ``codegen=False``: the
+  production codegen (for XLA's cost analysis, bf16 numerics, long runs).
   """
   env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
+  flags = env.get("XLA_FLAGS", "") if codegen else without_codegen_flags(env.get("XLA_FLAGS", ""))
+  flags = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
   if devices is not None:
     flags.append(f"--xla_force_host_platform_device_count={devices}")
   env["XLA_FLAGS"] = " ".join(flags)

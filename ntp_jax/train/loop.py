@@ -29,13 +29,14 @@ from ntp_jax.parallel.programs import (
   live_rows,
   logical_state,
   lower_plan,
+  plan_shapes,
 )
-from ntp_jax.parallel.steps import default_loss
+from ntp_jax.parallel.steps import StepSettings, default_loss
 from ntp_jax.resilience.arrival import Arrival, ProcessLost
 from ntp_jax.resilience.events import DeviceFailure, Event
 from ntp_jax.resilience.goodput import GoodputClock
 from ntp_jax.sharding.topology import processes_of
-from ntp_jax.state.checkpoint import CheckpointError, CheckpointShapes
+from ntp_jax.state.checkpoint import CheckpointShapes
 from ntp_jax.state.peer import PeerSource, poison
 from ntp_jax.state.placement import LogicalSource
 from ntp_jax.state.sources import InitSource
@@ -148,10 +149,34 @@ class TrainingRun:
 
   # -- building -------------------------------------------------------------------------------
 
+  def _check_every_process_holds_a_piece(self, plan: Plan) -> None:
+    """orbax's collective save needs a piece of every array in every process.
+
+    Raises:
+      ConfigError: a process would hold none on ``plan`` (named, with the fields to set);
+        the same in every process, so no process waits to hear of a lost peer.
+    """
+    # The settings build_class_programs keys its shapes by: worked out once, used again there.
+    settings = StepSettings(self.optimizer, self.config.train.clip_norm,
+                            self.global_tokens(plan), self.loss)
+    shapes = plan_shapes(plan, self.make_model, self.optimizer, self.devices, self.cache,
+                         settings)
+    missing = processes_without_pieces(
+        [(state, mesh) for (_, state), mesh in zip(shapes.targets, shapes.meshes)], plan.t_min)
+    if missing:
+      process, name = next(iter(missing.items()))
+      raise ConfigError(
+          f"checkpoint.every: process {process} would hold no piece of {name} on this plan "
+          f"(its TP group spans processes and it holds only late slots), which orbax's "
+          f"collective save needs; set checkpoint.every=0 or "
+          f"distributed.processes_per_domain=1")
+
   def build(self, plan: Plan, source) -> None:
     """Programs of ``plan`` filled from ``source``; the next step compiles unless every program
     was compiled before (a plan met again, or compiled ahead)."""
     self.plan = plan
+    if self.checkpoints is not None and jax.process_count() > 1:
+      self._check_every_process_holds_a_piece(plan)  # from shapes: before anything is placed
     split = self.guarded(plan)
     self.programs = build_class_programs(plan, self.make_model, self.optimizer,
                                          self.config.train.clip_norm, self.global_tokens(plan),
@@ -159,17 +184,6 @@ class TrainingRun:
                                          loss=self.loss, split=split)
     self.job_step = JobStep(plan, self.programs, cache=self.cache, split=split,
                             before_sync=self._arrive if split else None)
-    if self.checkpoints is not None and jax.process_count() > 1:
-      missing = processes_without_pieces(
-          [({"params": p.params, "opt_state": p.opt_state}, p.mesh) for p in self.programs],
-          plan.t_min)
-      if missing:
-        process, name = next(iter(missing.items()))
-        raise CheckpointError(
-            f"checkpoint.every: process {process} would hold no piece of {name} on this plan "
-            f"(its TP group spans processes and it holds only late slots), which orbax's "
-            f"collective save needs; set checkpoint.every=0 or "
-            f"distributed.processes_per_domain=1")
     compiled = self.cache.compiled_keys()
     self.compile_next = not set(self.job_step.keys) <= compiled
     if self.step:  # at start-up every program is new: say nothing

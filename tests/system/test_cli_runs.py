@@ -18,10 +18,11 @@ from ntp_jax.train.metrics import read_metrics
 from ntp_jax.train.trainer import train
 
 
-def _cli(*args, full_corpus=False, **popen):
+def _cli(*args, full_corpus=False, codegen=True, **popen):
   """``train.py --config configs/gpt_tiny.py ARGS`` (on the first 300 kB of the corpus unless
-  ``full_corpus``), its own device count, the run's compilation cache."""
-  env = process_env()
+  ``full_corpus``), its own device count, the run's compilation cache (``codegen``:
+  ``helpers.process_env``)."""
+  env = process_env(codegen=codegen)
   corpus = [] if full_corpus else ["--config.data.max_corpus_bytes=300000"]
   return subprocess.Popen([sys.executable, "train.py", "--config", "configs/gpt_tiny.py",
                            *corpus, *args],
@@ -138,7 +139,8 @@ print(state["params"]["embed"]["embedding"].shape,
 
 def test_default_tiny_run_lowers_the_loss(tmp_path):
   """The README's main command, as is (default steps and corpus), on simulated devices."""
-  proc = _cli(f"--config.workdir={tmp_path}", "--config.ntp.failed=3", full_corpus=True)
+  proc = _cli(f"--config.workdir={tmp_path}", "--config.ntp.failed=3", full_corpus=True,
+              codegen=False)  # as a user runs it; 150 steps run faster so
   rc, out, err = _finish(proc)
   assert rc == 0, err[-3000:]
   losses = [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")]
