@@ -63,3 +63,15 @@ def pytest_unconfigure(config):
   """The run's compilation cache goes with the run (the controller removes it, last)."""
   if not hasattr(config, "workerinput") and os.environ.get("NTP_JAX_TESTS_OWN_CACHE"):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+SLOWEST_FIRST = ("system", "integration", "plans", "ops", "unit")
+
+
+def pytest_collection_modifyitems(items):
+  """The slowest tiers first: xdist hands tests out in this order, so the long subprocess runs
+  start early and the quick unit tests fill the end, and both workers finish together."""
+  def tier(item):
+    folder = item.nodeid.split("/")[1] if item.nodeid.count("/") >= 2 else ""
+    return SLOWEST_FIRST.index(folder) if folder in SLOWEST_FIRST else len(SLOWEST_FIRST)
+  items.sort(key=tier)  # stable: the order inside a tier stays

@@ -34,8 +34,6 @@ from ntp_jax.sharding.mesh import TP
 CFG = GPTConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=8,
                 d_ff=44, rope_theta=10_000.0)
 MAX_LEN = 48  # the folder's max_position_embeddings
-# The module fixtures are built once: --dist loadgroup keeps these tests on one worker.
-pytestmark = pytest.mark.xdist_group("generate")
 PROMPT = np.array([[5, 17, 42, 99, 3, 250]], np.int32)
 NEW = 16
 UNEVEN = (8, (3,))  # mesh.tp=8, slot 3 failed: TP degree 7, one shared KV group

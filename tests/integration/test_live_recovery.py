@@ -15,8 +15,6 @@ from ntp_jax.train.trainer import train
 
 QUIET = dict(log=lambda *_: None)
 MESH = {"mesh.dp": 2, "mesh.tp": 4, "ntp.rebalance": "equal"}
-# The module fixtures are built once: --dist loadgroup keeps these tests on one worker.
-pytestmark = pytest.mark.xdist_group("live")
 
 
 def run(workdir, ckpt, steps=12, **overrides):

@@ -37,8 +37,6 @@ PLANS = [
     (4, 2, "0:0,0:1,0:3", "1,2,1,0.5"),
 ]
 OPTIMIZER = optax.adamw(1e-2)
-# The module fixtures are built once: --dist loadgroup keeps these tests on one worker.
-pytestmark = pytest.mark.xdist_group("placement")
 
 
 def make(tp, dp, failed, weights, source=None):

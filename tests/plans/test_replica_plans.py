@@ -8,9 +8,6 @@ import pytest
 from helpers import assert_trees_close, run_job
 from ops.test_nonuniform_dp import check_synced_gradients, dense_sgd_step  # noqa: F401
 
-# The module fixtures are built once: --dist loadgroup keeps these tests on one worker.
-pytestmark = pytest.mark.xdist_group("replica_plans")
-
 
 def test_every_replica_has_identical_gradients_after_sync_on_near_equal_runs(
     dense_sgd_step):  # noqa: F811  (the fixture of tests/ops)

@@ -33,8 +33,6 @@ from ntp_jax.train.trainer import train
 FakeDevice = collections.namedtuple("FakeDevice", "id process_index")
 PLAN = ["--config.mesh.dp=2", "--config.mesh.tp=4", "--config.ntp.failed=1:2"]
 STEPS = 4
-# The module fixtures are built once: --dist loadgroup keeps these tests on one worker.
-pytestmark = pytest.mark.xdist_group("multiprocess")
 
 
 def _train_args(workdir, *extra):
