@@ -1,5 +1,6 @@
-"""Test set-up: 8 simulated CPU devices, fixed before JAX starts, one compilation cache per
-run, and the TP plans of each tier.
+"""Test set-up: 8 simulated CPU devices and the suite's codegen flags (``tests/codegen.py``),
+fixed before JAX starts, one compilation cache per run, the TP plans of each tier, and the
+slowest tiers handed out first.
 
 The tiers are folders: ``unit`` (no sharded program), ``ops`` (every sharded operation
 against its dense reference on the fast plans), ``plans`` (the same checks on the other TP
