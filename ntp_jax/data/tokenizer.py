@@ -9,6 +9,7 @@ and vocabulary size give the same merges, in any process. A model's own
 """
 
 import os
+import shutil
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -131,3 +132,11 @@ def _treat_separator_in_text_as_text(tokenizer: Tokenizer) -> None:
   # A document that happens to contain the literal "<|endoftext|>" (this
   # very file does) must not inject a separator: packing alone places them.
   tokenizer.encode_special_tokens = True
+
+
+def copy_file(source: str, target: str) -> None:
+  """Copy ``source`` to ``target`` whole (a temporary name, then renamed), with the mode a
+  new file gets (``copyfile`` copies no permission bits)."""
+  partial = f"{target}.partial"
+  shutil.copyfile(source, partial)
+  os.replace(partial, target)

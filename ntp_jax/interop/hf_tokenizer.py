@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from ntp_jax.data.tokenizer import END_OF_TEXT_TOKENS
+from ntp_jax.data.tokenizer import END_OF_TEXT_TOKENS, copy_file
 from ntp_jax.errors import ConfigError
 
 TOKENIZER = "tokenizer.json"
@@ -66,14 +65,6 @@ def write_hf_tokenizer(tokenizer_path: str, folder: str, *,
   _write_json(os.path.join(folder, TOKENIZER_CONFIG), config)
   _write_json(os.path.join(folder, SPECIAL_TOKENS_MAP), special)
   return eot_id
-
-
-def copy_file(source: str, target: str) -> None:
-  """Copy ``source`` to ``target`` whole (a temporary name, then renamed), with the mode a
-  new file gets (``copyfile`` copies no permission bits)."""
-  partial = f"{target}.partial"
-  shutil.copyfile(source, partial)
-  os.replace(partial, target)
 
 
 def _write_json(path: str, value: Any) -> None:

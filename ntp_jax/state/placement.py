@@ -3,8 +3,8 @@
 *Logical state* is the job's training state as a nested dict of arrays with
 real global shapes: no padding, no replica axis, shared units once. A class
 program holds it as padded per-slot blocks, one copy per replica
-(``ntp_jax.layers.shard.replica_specs``). Initialisation, checkpoint restore and
-(later) weight import and live recovery all go the same way: the *target* is
+(``ntp_jax.layers.shard.replica_specs``). Initialisation, checkpoint restore, weight
+import and live recovery all go the same way: the *target* is
 the class's abstract state (shapes, layouts, shardings); a *source* fills
 logical arrays laid out evenly over some of the class's devices; one program
 per class moves them into the padded blocks, device to device.

@@ -21,8 +21,8 @@ import numpy as np
 
 from ntp_jax.data import make_dataset
 from ntp_jax.data.dataset import TOKENIZER_FILE
+from ntp_jax.data.tokenizer import copy_file
 from ntp_jax.errors import ConfigError
-from ntp_jax.interop.hf_tokenizer import copy_file
 from ntp_jax.layers.shard import replica_view
 from ntp_jax.parallel.distributed import Job, check_domains, join, ordered_devices
 from ntp_jax.parallel.plan import Plan, make_plan
