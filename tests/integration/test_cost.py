@@ -4,23 +4,15 @@ The figures come from one subprocess under the production codegen flags
 (``tests/programs/class_flops.py``; ``tests/codegen.py`` says why).
 """
 
-import functools
 import json
 import subprocess
 import sys
 
-import jax
-import optax
 import pytest
-from flax import nnx
 from helpers import ROOT, SMALL, process_env
+from programs.class_flops import SEQ, job
 
-from models.gpt import GPT, model_layouts
 from ntp_jax.parallel.cost import class_step_flops
-from ntp_jax.parallel.job_step import JobStep
-from ntp_jax.parallel.plan import make_plan
-from ntp_jax.parallel.programs import build_class_programs
-from ntp_jax.train.config import parse_failed
 
 
 def test_healthy_replicas_pay_nothing_and_reduced_ones_only_their_own_need():
@@ -49,9 +41,6 @@ def test_healthy_replicas_pay_nothing_and_reduced_ones_only_their_own_need():
 
 
 def test_a_scanned_program_is_refused_not_miscounted():
-  plan = make_plan(functools.partial(model_layouts, SMALL), tp=4, dp=1,
-                   failed=parse_failed("", 1, 4), batch_size=4)
-  programs = build_class_programs(plan, lambda layouts: GPT(SMALL, layouts, rngs=nnx.Rngs(0)),
-                                  optax.adamw(1e-3), 1.0, 4 * 128, jax.devices()[:4])
+  step = job(SMALL, 4, 1, "", 4)
   with pytest.raises(ValueError, match="counts its body once"):
-    class_step_flops(JobStep(plan, programs), programs[0], 128)
+    class_step_flops(step, step.programs[0], SEQ)

@@ -7,6 +7,7 @@ Every process started here runs under a timeout and is killed by id at the end.
 import collections
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,10 +125,10 @@ def _stop(process):
 
 
 @pytest.mark.multiprocess
-def test_a_process_killed_at_any_point_stops_the_survivor_naming_it(tmp_path):
+def test_a_process_killed_at_any_point_stops_the_survivor_and_a_smaller_restart_resumes(tmp_path):
   """SIGKILL from outside, wherever process 1 is (a step, a collective save): process 0 names
-  the lost process within the heartbeat's timeout. (The restart on fewer devices and its
-  losses: test_multiprocess_recovery's just-in-time test.)"""
+  the lost process within the heartbeat's timeout; a restart on its four devices resumes
+  from the last periodic checkpoint the two processes wrote, resharded onto one replica."""
   workdir = tmp_path / "run"
   workdir.mkdir()
   timeout_s = 4
@@ -154,6 +155,22 @@ def test_a_process_killed_at_any_point_stops_the_survivor_naming_it(tmp_path):
   assert status == LOST_EXIT_CODE, output[-2000:]
   assert "error: lost process 1 of 2" in output, output[-2000:]
   assert stopped_in < 3 * timeout_s + 5, stopped_in
+
+  latest = max(int(p) for p in os.listdir(workdir / "checkpoints") if p.isdigit())
+  reference = tmp_path / "reference"
+  shutil.copytree(workdir / "checkpoints", reference / "checkpoints")
+  smaller = ["--config.mesh.dp=1", "--config.ntp.failed=", f"--config.train.steps={latest + 2}"]
+  resumed = subprocess.run(_train_args(workdir, "--config.checkpoint.every=2", *smaller),
+                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=process_env())
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resuming from step {latest}" in resumed.stdout
+  # The same resume from a copy of that checkpoint, in this process: the same losses.
+  config = tiny_config(reference, **{"mesh.dp": 1, "mesh.tp": 4, "train.steps": latest + 2,
+                                     "checkpoint.every": 2})
+  expected = train(config, log=lambda *_: None).losses
+  records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  after = [r["loss"] for r in records if "loss" in r and r["step"] >= latest][-2:]
+  np.testing.assert_allclose(after, expected, rtol=1e-6)
 
 
 @pytest.mark.multiprocess
