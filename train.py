@@ -64,11 +64,15 @@ def main(argv):
 
   from ntp_jax.data import DataError
   from ntp_jax.state.checkpoint import CheckpointError
+  from ntp_jax.train.process_guard import ProcessStop
   from ntp_jax.train.trainer import train
   job = None
   try:
     job = distributed.join(run_config.distributed)
     train(run_config)
+  except ProcessStop as stop:  # a lost peer ends this process (a just-in-time checkpoint first)
+    print(f"error: {stop.message}", file=sys.stderr)
+    _exit(job, stop.status)
   except (ConfigError, DataError) as err:
     if isinstance(err, CheckpointError):
       # A collective save that failed is often a lost peer: let the heartbeat name it first.

@@ -63,24 +63,20 @@ AHEAD = {"ntp.precompile": "next_failure"}
 NOT_AHEAD = {"ntp.precompile": "none"}
 
 
-class AheadOfTime(Hook):
-  """Reads the run's compile-ahead figures at its end; with ``wait_before``, holds that step
-  until the background compile is done (a failure in a long run comes long after it)."""
+class WaitForAhead(Hook):
+  """Holds step ``wait_before`` until the background compile is done (a failure in a long
+  run comes long after it)."""
 
-  def __init__(self, wait_before: int | None = None):
+  def __init__(self, wait_before: int):
     self.wait_before = wait_before
-    self.programs, self.seconds, self.waited = 0, 0.0, 0.0
+    self.waited = 0.0
 
-  def before_step(self, run, step):
-    if step == self.wait_before and run.precompiler is not None:
+  def before_step(self, step, services):
+    if step == self.wait_before:
       start = time.perf_counter()
-      run.precompiler.wait_idle()
+      services.wait_for_compile_ahead()
       self.waited = time.perf_counter() - start
     return []
-
-  def on_end(self, run):
-    if run.precompiler is not None:
-      self.programs, self.seconds = run.precompiler.compiled, run.precompiler.seconds
 
 
 def fresh_caches():
@@ -203,15 +199,14 @@ def main():
     plain_s, plain_event = time_to_productive(read_records(plain.metrics_path), FAIL_STEP)
     stages.next("live, compiled ahead")
     fresh_caches()
-    live_ahead = AheadOfTime(wait_before=FAIL_STEP)
     live = train(configure(args, os.path.join(base, "live"), **fail, **AHEAD), **quiet,
-                 hooks=[live_ahead])
+                 hooks=[WaitForAhead(FAIL_STEP)])
     live_s, live_event = time_to_productive(read_records(live.metrics_path), FAIL_STEP)
     stages.next("restart in-process, compiled ahead")
     fresh_caches()
     restart = train(configure(args, os.path.join(base, "restart"), **fail, **AHEAD,
                               **{"ntp.recovery": "restart"}), **quiet,
-                    hooks=[AheadOfTime(wait_before=FAIL_STEP)])
+                    hooks=[WaitForAhead(FAIL_STEP)])
     restart_s, restart_event = time_to_productive(read_records(restart.metrics_path),
                                                   FAIL_STEP)
     stages.next("restart as a new process, cold and warm cache")
@@ -223,9 +218,8 @@ def main():
                                  **NOT_AHEAD), **quiet)
     stages.next(f"{steps}-step goodput run, compiled ahead")
     fresh_caches()
-    long_ahead = AheadOfTime()
     long_run = train(configure(args, os.path.join(base, "goodput"), **events, **AHEAD),
-                     **quiet, hooks=[long_ahead])
+                     **quiet)
   config = configure(args, os.path.join(base, "live"))
   logical = 3 * 4 * count_params(GPTConfig.from_config(config.model))  # f32 params + 2 moments
   buckets = long_run.goodput
@@ -248,7 +242,7 @@ def main():
            f"| live, not compiled ahead: compile on the recovery path | "
            f"{plain_event['compile_s']:.1f} s |",
            f"| compiled ahead before the failure: programs, background wall time | "
-           f"{live_ahead.programs}, {live_ahead.seconds:.1f} s |",
+           f"{live.compiled_ahead[0]}, {live.compiled_ahead[1]:.1f} s |",
            f"| restart in-process: failure to next productive step (restore step 10, "
            f"redo step 10, step {FAIL_STEP}), compiled ahead | {restart_s:.2f} s |",
            f"| restart in-process: compile on the recovery path | "
@@ -275,8 +269,8 @@ def main():
                f"{k} {v:.1f} s" for k, v in long_plain.goodput.items() if v > 0) + " |",
            f"| its compile on the recovery paths, compiled ahead / not | "
            f"{recovery_compile(long_run):.1f} s / {recovery_compile(long_plain):.1f} s |",
-           f"| its programs compiled ahead, background wall time | {long_ahead.programs}, "
-           f"{long_ahead.seconds:.1f} s |",
+           f"| its programs compiled ahead, background wall time | {long_run.compiled_ahead[0]}, "
+           f"{long_run.compiled_ahead[1]:.1f} s |",
            f"| step time while compiling ahead / the same steps without ({overlapped} steps, "
            f"medians) | {overlap:.2f} |",
            f"| its programs | {long_run.cache[0]} cache hit(s), {long_run.cache[1]} "

@@ -39,6 +39,15 @@ class ProcessLost(Exception):
     super().__init__(message)
 
 
+ARRIVAL_PREFIX = "ntp_jax/arrived"
+
+
+def arrival_key(epoch: int, step: int, process: int, phase: str = "sync") -> str:
+  """The key-value store key under which ``process`` arrives at ``phase`` of ``step`` while
+  the plan is in its ``epoch`` (raised at every lost process)."""
+  return f"{ARRIVAL_PREFIX}/{epoch}/{step}/{phase}/{process}"
+
+
 class Arrival:
   """The per-step arrival of every process, over the coordination service.
 
@@ -49,8 +58,6 @@ class Arrival:
     poll_s: how long one wait for a peer's key lasts before the heartbeat is asked.
   """
 
-  PREFIX = "ntp_jax/arrived"
-
   def __init__(self, client, process_id: int, heartbeat: Heartbeat, poll_s: float = 0.05):
     self.client = client
     self.process_id = process_id
@@ -59,7 +66,7 @@ class Arrival:
     self.epoch = 0  # raised at every change of plan: a step redone waits afresh
 
   def key(self, step: int, process: int, phase: str = "sync") -> str:
-    return f"{self.PREFIX}/{self.epoch}/{step}/{phase}/{process}"
+    return arrival_key(self.epoch, step, process, phase)
 
   def wait(self, step: int, processes: Collection[int], phase: str = "sync") -> None:
     """Publish this process's arrival at ``phase`` of ``step`` (``start``: before any of

@@ -51,7 +51,7 @@ class Heartbeat:
     self.num_processes = num_processes
     self.timeout_s = timeout_s
     self.interval_s = max(0.05, timeout_s / 6)
-    self.on_lost = on_lost or _exit_lost
+    self.on_lost = on_lost or end_process
     self.takeover_s = takeover_s
     self.lost: str | None = None
     self.lost_processes: set[int] = set()  # found lost (offered to the main thread)
@@ -187,7 +187,14 @@ def _try_get(client, key: str) -> str | None:
     return None
 
 
-def _exit_lost(message: str) -> None:
+def end_process(message: str) -> None:
+  """Print ``error: message`` and end the process with ``LOST_EXIT_CODE``.
+
+  The one place the library ends a process, and only from a watching thread: the main
+  thread is then held in a collective (or a just-in-time write) with a lost peer and
+  cannot return. Every decision the main thread makes returns instead
+  (``train.process_guard.ProcessStop``).
+  """
   print(f"error: {message}", file=sys.stderr, flush=True)
   sys.stdout.flush()
-  os._exit(LOST_EXIT_CODE)  # from a thread: the main one may be blocked in a collective
+  os._exit(LOST_EXIT_CODE)

@@ -6,6 +6,11 @@ to each hook in order; a hook acts when it is ``due`` (by default every
 failures (``resilience.events.Event``s, or raise ``events.DeviceFailure``).
 At the end of the run ``on_end`` runs once.
 
+A hook sees the step's facts and ``RunServices``: what it may ask of the run
+(save a checkpoint, evaluate rows, time work into a goodput bucket, read the
+goodput, wait for the background compile). It never gets the trainer itself,
+so the trainer's parts can change without breaking a hook.
+
 The trainer's own work comes as default hooks, in this order: checkpoint,
 validation, goodput, metrics file, TensorBoard, progress line; a failure
 detector, when given, is a hook too. A hook may add fields to
@@ -19,16 +24,76 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 
 from ntp_jax.parallel.plan import Plan
 from ntp_jax.resilience.events import Event
+from ntp_jax.resilience.goodput import GoodputClock
 from ntp_jax.train.metrics import MetricsWriter, TensorBoardWriter, progress_line
 
-if TYPE_CHECKING:  # annotations only: the loop imports this module
-  from ntp_jax.train.loop import TrainingRun
+
+class RunServices:
+  """What a hook may ask of the run, and nothing more.
+
+  Args:
+    clock: the run's ``resilience.goodput.GoodputClock``.
+    save: ``() -> float``: write a checkpoint of the steps done (``checkpoint.every > 0``);
+      returns the seconds the step was held for it.
+    evaluate: ``rows -> float``: the job's mean next-token loss (nats per token) of int32
+      ``[n, seq_len + 1]`` rows, on the current plan.
+    wait_for_compile_ahead: ``timeout_s | None -> bool``: wait for the background compile
+      of the plans one failure away (``ntp.precompile``); True when none is running.
+    plan: ``() -> Plan``: the current plan. done: ``() -> int``: steps done.
+  """
+
+  def __init__(self, *, clock: GoodputClock, save: Callable[[], float],
+               evaluate: Callable[[np.ndarray], float],
+               wait_for_compile_ahead: Callable[[float | None], bool],
+               plan: Callable[[], Plan], done: Callable[[], int]):
+    self._clock, self._save, self._evaluate = clock, save, evaluate
+    self._wait, self._plan, self._done = wait_for_compile_ahead, plan, done
+
+  @property
+  def plan(self) -> Plan:
+    """The plan the next step runs on."""
+    return self._plan()
+
+  @property
+  def done(self) -> int:
+    """Steps done so far (the next step's index)."""
+    return self._done()
+
+  def save(self) -> float:
+    """A checkpoint of the steps done; returns the seconds the step was held for it.
+
+    Raises:
+      checkpoint.CheckpointError: the write failed (naming the folder).
+    """
+    return self._save()
+
+  def evaluate(self, rows: np.ndarray) -> float:
+    """Mean next-token loss (nats per token) of int32 ``[n, seq_len + 1]`` ``rows``."""
+    return self._evaluate(rows)
+
+  def timed(self, bucket: str) -> AbstractContextManager:
+    """Time a block into the goodput bucket ``bucket`` (``resilience.goodput.BUCKETS``)."""
+    return self._clock.timed(bucket)
+
+  def goodput(self) -> float:
+    """Productive seconds over wall seconds so far (``resilience.goodput``)."""
+    return self._clock.goodput()
+
+  def effective_tokens_per_s(self) -> float:
+    """Tokens of productive steps over wall seconds so far."""
+    return self._clock.effective_tokens_per_s()
+
+  def wait_for_compile_ahead(self, timeout_s: float | None = None) -> bool:
+    """Wait up to ``timeout_s`` (None: no bound) for the background compile of the plans one
+    failure or repair away; True when none is running (also when it is off)."""
+    return self._wait(timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +111,7 @@ class StepInfo:
     step_time_s: wall seconds of the step (compilation included when ``compiled``).
     compiled: the step compiled its programs (the first step of a plan not seen before).
     record: the metrics record of the step; hooks may add fields to it.
-    run: the run (programs, goodput clock, checkpoints), for hooks that need its state.
+    services: what the hook may ask of the run (``RunServices``).
   """
 
   step: int
@@ -59,7 +124,7 @@ class StepInfo:
   step_time_s: float
   compiled: bool
   record: dict[str, Any]
-  run: TrainingRun = dataclasses.field(repr=False)
+  services: RunServices = dataclasses.field(repr=False)
 
   @property
   def last(self) -> bool:
@@ -79,7 +144,7 @@ class Hook:
   def due(self, info: StepInfo) -> bool:
     return self.every > 0 and info.done % self.every == 0
 
-  def before_step(self, run: TrainingRun, step: int) -> Sequence[Event]:
+  def before_step(self, step: int, services: RunServices) -> Sequence[Event]:
     """Failures or repairs to apply before step ``step`` (default: none).
 
     May raise ``events.DeviceFailure`` for a device found dead.
@@ -89,8 +154,8 @@ class Hook:
   def on_step(self, info: StepInfo) -> None:
     """Called after a step when ``due(info)``."""
 
-  def on_end(self, run: TrainingRun) -> None:
-    """Called once when the run's loop ends (the last step, or a stop)."""
+  def on_end(self, services: RunServices) -> None:
+    """Called once when the run's loop ends (the last step, a stop, or an error)."""
 
 
 class FunctionHook(Hook):
@@ -126,7 +191,7 @@ class CheckpointHook(Hook):
     self.every = every
 
   def on_step(self, info: StepInfo) -> None:
-    info.record["checkpoint_s"] = info.run.save()
+    info.record["checkpoint_s"] = info.services.save()
 
 
 class EvalHook(Hook):
@@ -144,16 +209,16 @@ class EvalHook(Hook):
     return self.every > 0 and (info.done % self.every == 0 or info.last)
 
   def on_step(self, info: StepInfo) -> None:
-    with info.run.clock.timed("eval"):
-      info.record["val_loss"] = info.run.job_step.eval_loss(self.rows)
+    with info.services.timed("eval"):
+      info.record["val_loss"] = info.services.evaluate(self.rows)
 
 
 class GoodputHook(Hook):
   """Adds ``goodput`` and ``effective_tokens_per_s`` (``resilience.goodput``) to each record."""
 
   def on_step(self, info: StepInfo) -> None:
-    info.record["goodput"] = info.run.clock.goodput()
-    info.record["effective_tokens_per_s"] = info.run.clock.effective_tokens_per_s()
+    info.record["goodput"] = info.services.goodput()
+    info.record["effective_tokens_per_s"] = info.services.effective_tokens_per_s()
 
 
 class MetricsHook(Hook):
@@ -175,7 +240,7 @@ class TensorBoardHook(Hook):
   def on_step(self, info: StepInfo) -> None:
     self.board.write(info.record)
 
-  def on_end(self, run: TrainingRun) -> None:
+  def on_end(self, services: RunServices) -> None:
     self.board.close()
 
 
@@ -205,5 +270,5 @@ class DetectorHook(Hook):
   def __init__(self, detector: Callable[[int], Sequence[Event]]):
     self.detector = detector
 
-  def before_step(self, run: TrainingRun, step: int) -> Sequence[Event]:
+  def before_step(self, step: int, services: RunServices) -> Sequence[Event]:
     return list(self.detector(step))

@@ -7,26 +7,27 @@ that holds a whole replica copies it off its devices (no collective) and writes 
 as a normal checkpoint (logical form,
 the run's ``checkpoint.dir``, the step and data position in its metadata),
 through an orbax manager over the survivors only; the others wait for it.
-Then every survivor stops with one line naming the lost process, the step
-written and the seconds it took; the restart with the processes left resumes
-there and redoes at most the step that was in flight. Source: Gupta et al.,
-"Just-In-Time Checkpointing", EuroSys 2024 (the state of the healthy replicas
-at the failure, so no step is redone but the one in flight).
+Then every survivor stops (``process_guard.ProcessStop``) with one line
+naming the lost process, the step written and the seconds it took; the
+restart with the processes left resumes there and redoes at most the step
+that was in flight. Source: Gupta et al., "Just-In-Time Checkpointing",
+EuroSys 2024 (the state of the healthy replicas at the failure, so no step is
+redone but the one in flight).
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import dataclasses
 import threading
 import time
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from flax import nnx
 
 from ntp_jax.resilience.arrival import ProcessLost
-from ntp_jax.resilience.heartbeat import LOST_EXIT_CODE
+from ntp_jax.resilience.heartbeat import end_process
 from ntp_jax.sharding.blocks import from_blocks
 from ntp_jax.sharding.topology import processes_of
 from ntp_jax.state.checkpoint import Checkpoints
@@ -48,70 +49,91 @@ def whole_replica(programs: list, survivors: set[int]) -> tuple[int, int, int] |
   return min(found) if found else None
 
 
-def write_just_in_time(run, lost: ProcessLost) -> NoReturn:
-  """Write the state after ``run.step`` steps (the last completed one) and end the process.
+@dataclasses.dataclass(frozen=True)
+class JustInTimeState:
+  """What a just-in-time checkpoint writes: the state after ``step`` steps.
 
-  ``run`` is the ``loop.TrainingRun``; the whole takes at most
-  ``distributed.jit_checkpoint_s`` seconds, or the process stops without it. Exit status
-  ``heartbeat.LOST_EXIT_CODE`` either way.
+  Attributes:
+    programs: the class programs (``parallel.programs.ClassProgram``), their update not run.
+    plan: their plan. step: steps completed. cursor: the data cursor after them.
+    config: the run's config as JSON (``RunConfig.to_json_dict``), for the metadata.
   """
-  job = run.job
+
+  programs: list
+  plan: Any
+  step: int
+  cursor: int
+  config: dict
+
+
+def write_just_in_time(job, lost: ProcessLost, survivors: set[int], state: JustInTimeState,
+                       checkpoints: Checkpoints | None, log: Callable[..., None],
+                       event: Callable[..., None]) -> str:
+  """Write ``state`` (the last completed step) from the ``survivors`` and return the line
+  that ends the process (naming the lost process and what was written, or why nothing was).
+
+  ``job`` is this process's ``distributed.Job``. The whole takes at most
+  ``distributed.jit_checkpoint_s`` seconds: past that, a watching thread ends the process
+  (``heartbeat.end_process``, exit status ``heartbeat.LOST_EXIT_CODE``), since the main
+  thread is then held by the lost peer.
+  """
   start = time.perf_counter()
   bound = job.jit_checkpoint_s
-  survivors = set(range(job.num_processes)) - set(lost.processes) - run.lost_processes
-  checkpoints = run.checkpoints
   latest = None
   if checkpoints is not None:
     latest = checkpoints.latest_step()
   fallback = (f"restart the job from its last checkpoint "
               f"({checkpoints.step_dir(latest) if latest is not None else 'none written'})")
   if bound <= 0:
-    _stop(f"{lost.message}; distributed.jit_checkpoint_s=0: no just-in-time checkpoint; "
-               f"{fallback}")
+    return (f"{lost.message}; distributed.jit_checkpoint_s=0: no just-in-time checkpoint; "
+            f"{fallback}")
   if checkpoints is None:
-    _stop(f"{lost.message}; checkpoint.every=0: no just-in-time checkpoint; the run "
-               "starts again from its beginning")
-  holder = whole_replica(run.programs, survivors)
+    return (f"{lost.message}; checkpoint.every=0: no just-in-time checkpoint; the run "
+            "starts again from its beginning")
+  holder = whole_replica(state.programs, survivors)
   if holder is None:
-    _stop(f"{lost.message}; the processes left hold no whole replica, so no just-in-time "
-               f"checkpoint; {fallback}")
+    return (f"{lost.message}; the processes left hold no whole replica, so no just-in-time "
+            f"checkpoint; {fallback}")
   writer, c, r = holder
-  run.log(f"step {run.step}: {lost.message}; writing a just-in-time checkpoint of step "
-          f"{run.step} (process {writer}, within distributed.jit_checkpoint_s={bound:g})")
-  timer = threading.Timer(bound, lambda: _stop(
-      f"{lost.message}; the just-in-time checkpoint of step {run.step} did not finish "
-           f"within distributed.jit_checkpoint_s={bound:g}; {fallback}"))
+  log(f"step {state.step}: {lost.message}; writing a just-in-time checkpoint of step "
+      f"{state.step} (process {writer}, within distributed.jit_checkpoint_s={bound:g})")
+  timer = threading.Timer(bound, lambda: end_process(
+      f"{lost.message}; the just-in-time checkpoint of step {state.step} did not finish "
+      f"within distributed.jit_checkpoint_s={bound:g}; {fallback}"))
   timer.daemon = True
   timer.start()
-  if job.process_id == writer:
-    try:
-      _write(run, lost, writer, c, r)
-    except Exception as err:  # e.g. a buffer the lost peer's last collective left in error
-      cause = " ".join(str(err).split())[:200]
-      _stop(f"{lost.message}; the just-in-time checkpoint of step {run.step} failed "
-            f"({type(err).__name__}: {cause}); {fallback}")
-    job.client.key_value_set(DONE_KEY, str(run.step), allow_overwrite=True)
-  else:  # the writer says when the step is on disk
-    job.client.blocking_key_value_get(DONE_KEY, int(bound * 1000))
+  try:
+    if job.process_id == writer:
+      try:
+        _write(state, lost, checkpoints, writer, c, r)
+      except Exception as err:  # e.g. a buffer the lost peer's last collective left in error
+        cause = " ".join(str(err).split())[:200]
+        return (f"{lost.message}; the just-in-time checkpoint of step {state.step} failed "
+                f"({type(err).__name__}: {cause}); {fallback}")
+      job.client.key_value_set(DONE_KEY, str(state.step), allow_overwrite=True)
+    else:  # the writer says when the step is on disk
+      job.client.blocking_key_value_get(DONE_KEY, int(bound * 1000))
+  finally:
+    timer.cancel()
   seconds = time.perf_counter() - start
-  run.writer.event("just_in_time", step=run.step, processes=sorted(lost.processes),
-                   seconds=round(seconds, 3), data_cursor=run.cursor)
-  _stop(f"{lost.message}; process {job.process_id} wrote a just-in-time checkpoint of "
-             f"step {run.step} to {checkpoints.step_dir(run.step)} in {seconds:.1f} s "
-             f"(within distributed.jit_checkpoint_s={bound:g}); restart the job with the "
-             "processes left: it resumes there")
+  event("just_in_time", step=state.step, processes=sorted(lost.processes),
+        seconds=round(seconds, 3), data_cursor=state.cursor)
+  return (f"{lost.message}; process {job.process_id} wrote a just-in-time checkpoint of "
+          f"step {state.step} to {checkpoints.step_dir(state.step)} in {seconds:.1f} s "
+          f"(within distributed.jit_checkpoint_s={bound:g}); restart the job with the "
+          "processes left: it resumes there")
 
 
-def _write(run, lost: ProcessLost, writer: int, c: int, r: int) -> None:
-  """Replica ``r`` of class ``c`` (all on process ``writer``) as checkpoint ``run.step``."""
-  logical = host_logical(run.programs[c], r)
-  meta = {"data_cursor": run.cursor, "plan": run.plan.summary(),
-          "config": run.config.to_json_dict(), "just_in_time": True,
+def _write(state: JustInTimeState, lost: ProcessLost, checkpoints: Checkpoints, writer: int,
+           c: int, r: int) -> None:
+  """Replica ``r`` of class ``c`` (all on process ``writer``) as checkpoint ``state.step``."""
+  logical = host_logical(state.programs[c], r)
+  meta = {"data_cursor": state.cursor, "plan": state.plan.summary(),
+          "config": state.config, "just_in_time": True,
           "lost_processes": sorted(lost.processes)}
-  checkpoints = run.checkpoints
   only_writer = Checkpoints(checkpoints.directory, keep=checkpoints.keep, asynchronous=False,
                             processes={writer})
-  only_writer.save(run.step, logical, meta)
+  only_writer.save(state.step, logical, meta)
   only_writer.wait()
 
 
@@ -135,11 +157,3 @@ def host_logical(program, replica: int) -> dict[Path, np.ndarray]:
     else:
       out[leaf.path] = np.asarray(by_device[row[0]])
   return out
-
-
-def _stop(message: str) -> NoReturn:
-  """One line on stderr and the end of the process, from any thread: orbax's and JAX's
-  threads would wait for the lost process at a normal exit."""
-  print(f"error: {message}", file=sys.stderr, flush=True)
-  sys.stdout.flush()
-  os._exit(LOST_EXIT_CODE)

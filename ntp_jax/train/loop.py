@@ -31,11 +31,10 @@ from ntp_jax.parallel.programs import (
   lower_plan,
   plan_shapes,
 )
-from ntp_jax.parallel.steps import StepSettings, default_loss
-from ntp_jax.resilience.arrival import Arrival, ProcessLost
+from ntp_jax.parallel.steps import StepSettings
+from ntp_jax.resilience.arrival import ProcessLost
 from ntp_jax.resilience.events import DeviceFailure, Event
 from ntp_jax.resilience.goodput import GoodputClock
-from ntp_jax.sharding.topology import processes_of
 from ntp_jax.state.checkpoint import CheckpointShapes
 from ntp_jax.state.peer import PeerSource, poison
 from ntp_jax.state.placement import LogicalSource
@@ -43,13 +42,12 @@ from ntp_jax.state.sources import InitSource
 from ntp_jax.state.spanning import processes_without_pieces
 from ntp_jax.train.compilation import compile_seconds
 from ntp_jax.train.config import RunConfig
-from ntp_jax.train.hooks import Hook, StepInfo
-from ntp_jax.train.just_in_time import write_just_in_time
+from ntp_jax.train.hooks import Hook, RunServices, StepInfo
+from ntp_jax.train.model_spec import ModelSpec
 from ntp_jax.train.precompile import PlanJob, Precompiler
-
-# Seconds the heartbeat waits for the main thread to take a loss over while a step
-# compiles (a large model's first step compiles for minutes); else a few steps' time.
-COMPILE_TAKEOVER_S = 900.0
+from ntp_jax.train.process_guard import ProcessGuard
+from ntp_jax.train.recovery import Recoveries
+from ntp_jax.train.run_state import RunState
 
 
 class DatasetRows:
@@ -72,12 +70,18 @@ class DatasetRows:
 
 
 class TrainingRun:
-  """State of a run between steps: plan, programs, step, data cursor, failed slots.
+  """One run between its start and its end: steps, hooks, failures and repairs.
+
+  Made of parts a test can build alone: the training state (``run_state.RunState``:
+  plan, programs, step, cursor), the recovery in progress (``recovery.Recoveries``),
+  the guard over the other processes (``process_guard.ProcessGuard``), the goodput
+  clock, and the services hooks may use (``hooks.RunServices``).
 
   Args:
     config: the run's ``train.config.RunConfig``.
+    model: the ``ModelSpec`` (its ``make``, ``loss`` and ``initial_source``: the
+      parameters a fresh start, or a restart with no checkpoint, begins from).
     make_plan: ``failed (replica, slot) pairs -> Plan``.
-    make_model: ``layouts -> module``. loss: ``ModelSpec.loss``.
     optimizer: the optax transformation.
     devices: the job's devices (slot-major per replica).
     dataset: the training data (``sequences(cursor, count)``).
@@ -86,9 +90,6 @@ class TrainingRun:
     log: one-line logger.
     failed: the failed ``(replica, slot)`` pairs at the start.
     hooks: ``hooks.Hook``s run around every step, in order.
-    initial_source: ``ModelSpec.initial_source``: the parameters a fresh
-      start, or a restart with no checkpoint, begins from; None: the
-      model's own initialisation (``InitSource``).
     precompile: compile the plans one failure or repair away in the
       background (``ntp_jax.train.precompile``; ``ntp.precompile`` resolved).
     job: this process's ``distributed.Job`` (None: one process): with a heartbeat
@@ -98,53 +99,31 @@ class TrainingRun:
       its devices) or its last completed step written (``jit_checkpoint_s``).
   """
 
-  def __init__(self, config: RunConfig, *, make_plan: Callable[[frozenset], Plan], make_model,
-               optimizer, devices, dataset, checkpoints, writer, log,
-               failed: frozenset[tuple[int, int]], loss=default_loss,
-               hooks: Sequence[Hook] = (),
-               initial_source: Callable[[], LogicalSource] | None = None,
-               precompile: bool = False, job: Job | None = None):
-    self.config = config
-    self.job = job
-    self.arrival = None
-    if job is not None and job.multi_process and job.heartbeat is not None and (
-        job.heartbeat.takeover_s is not None):
-      self.arrival = Arrival(job.client, job.process_id, job.heartbeat)
-      self.takeover_base_s = job.heartbeat.takeover_s
-    self.initial_source = initial_source
-    self.loss = loss
-    self.hooks = list(hooks)
-    self.make_plan = make_plan
-    self.make_model = make_model
-    self.optimizer = optimizer
-    self.devices = devices
-    self.dataset = dataset
-    self.checkpoints = checkpoints
-    self.writer = writer
-    self.log = log
-    self.failed = frozenset(failed)
+  def __init__(self, config: RunConfig, model: ModelSpec, *,
+               make_plan: Callable[[frozenset], Plan], optimizer, devices, dataset,
+               checkpoints, writer, log, failed: frozenset[tuple[int, int]],
+               hooks: Sequence[Hook] = (), precompile: bool = False, job: Job | None = None):
+    self.config, self.model, self.make_plan, self.optimizer = config, model, make_plan, optimizer
+    self.devices, self.dataset, self.checkpoints = devices, dataset, checkpoints
+    self.writer, self.log, self.job, self.hooks = writer, log, job, list(hooks)
+    self.state = RunState(frozenset(failed))
+    self.guard = ProcessGuard(job, devices, log, writer.event)
+    self.recoveries = Recoveries(writer.event, compile_seconds)
+    self.clock = GoodputClock()
     self.cache = ProgramCache()
     self.precompiler = None
     if precompile:
       ntp = config.ntp
       self.precompiler = Precompiler(self.cache, log, max_programs=ntp.precompile_max_programs,
                                      max_host_bytes=int(ntp.precompile_max_host_gb * 2**30))
-    self.recovery: dict[str, Any] | None = None  # the last recovery, until its first step
+    self.services = RunServices(clock=self.clock, save=self.save, evaluate=self._evaluate,
+                                wait_for_compile_ahead=self._wait_for_compile_ahead,
+                                plan=lambda: self.state.plan, done=lambda: self.state.step)
     self.ahead_of: Plan | None = None  # the plan whose neighbours are compiling ahead
-    self.clock = GoodputClock()
-    self.plan: Plan | None = None
-    self.programs: list = []
-    self.job_step: JobStep | None = None
-    self.step = 0
-    self.cursor = 0
-    self.saved_step: int | None = None
-    self.furthest = 0  # steps done at most so far: below it, a step is redone work
-    self.compile_next = True
     self.losses: list[float] = []
     self.records: list[dict[str, Any]] = []
     self.marks: list[dict[str, Any]] = []  # failure / repair events, for the plot
     self.moved_bytes = 0
-    self.lost_devices: set = set()  # devices of processes lost (recoverable mode)
     self.redone_steps = 0  # steps whose work was thrown away (cut inside, or run again)
 
   # -- building -------------------------------------------------------------------------------
@@ -158,8 +137,8 @@ class TrainingRun:
     """
     # The settings build_class_programs keys its shapes by: worked out once, used again there.
     settings = StepSettings(self.optimizer, self.config.train.clip_norm,
-                            self.global_tokens(plan), self.loss)
-    shapes = plan_shapes(plan, self.make_model, self.optimizer, self.devices, self.cache,
+                            self.global_tokens(plan), self.model.loss)
+    shapes = plan_shapes(plan, self.model.make, self.optimizer, self.devices, self.cache,
                          settings)
     missing = processes_without_pieces(
         [(state, mesh) for (_, state), mesh in zip(shapes.targets, shapes.meshes)], plan.t_min)
@@ -174,46 +153,29 @@ class TrainingRun:
   def build(self, plan: Plan, source) -> None:
     """Programs of ``plan`` filled from ``source``; the next step compiles unless every program
     was compiled before (a plan met again, or compiled ahead)."""
-    self.plan = plan
+    state = self.state
+    state.plan = plan
     if self.checkpoints is not None and jax.process_count() > 1:
       self._check_every_process_holds_a_piece(plan)  # from shapes: before anything is placed
-    split = self.guarded(plan)
-    self.programs = build_class_programs(plan, self.make_model, self.optimizer,
-                                         self.config.train.clip_norm, self.global_tokens(plan),
-                                         self.devices, source=source, cache=self.cache,
-                                         loss=self.loss, split=split)
-    self.job_step = JobStep(plan, self.programs, cache=self.cache, split=split,
-                            before_sync=self._arrive if split else None)
+    split = self.guard.guarded(plan)
+    state.programs = build_class_programs(plan, self.model.make, self.optimizer,
+                                          self.config.train.clip_norm, self.global_tokens(plan),
+                                          self.devices, source=source, cache=self.cache,
+                                          loss=self.model.loss, split=split)
+    state.job_step = JobStep(plan, state.programs, cache=self.cache, split=split,
+                             before_sync=self._arrive if split else None)
     compiled = self.cache.compiled_keys()
-    self.compile_next = not set(self.job_step.keys) <= compiled
-    if self.step:  # at start-up every program is new: say nothing
+    state.compile_next = not set(state.job_step.keys) <= compiled
+    if state.step:  # at start-up every program is new: say nothing
       names = [f"class program ({class_label(p.replica_class)})"
-               for p in self.programs if p.key is not None]
-      names += ["cross-class sync"] if self.job_step.sync_key is not None else []
-      for what, key in zip(names, self.job_step.keys):
-        state = "compiled already" if key in compiled else "compiles with the next step"
-        self.log(f"  {what}: {state}")
-
-  def plan_processes(self, plan: Plan) -> set[int]:
-    """The processes whose devices the plan's live replicas use."""
-    return processes_of(self.devices[r.replica * plan.tp + s]
-                        for r in plan.replicas for s in r.live_slots)
-
-  def guarded(self, plan: Plan) -> bool:
-    """Steps of ``plan`` check every process's arrival before their sync: a plan over
-    several processes whose every TP group lies in one (else the gradients themselves
-    cross processes, and a lost process holds the others in them)."""
-    if self.arrival is None or len(self.plan_processes(plan)) < 2:
-      return False
-    return all(len(processes_of(self.devices[r.replica * plan.tp + s] for s in r.live_slots)) == 1
-               for r in plan.replicas)
+               for p in state.programs if p.key is not None]
+      names += ["cross-class sync"] if state.job_step.sync_key is not None else []
+      for what, key in zip(names, state.job_step.keys):
+        status = "compiled already" if key in compiled else "compiles with the next step"
+        self.log(f"  {what}: {status}")
 
   def _arrive(self, phase: str = "sync") -> None:
-    self.arrival.wait(self.step, self.plan_processes(self.plan) - self.lost_processes, phase)
-
-  @property
-  def lost_processes(self) -> set[int]:
-    return {d.process_index for d in self.lost_devices}
+    self.guard.arrive(self.state.step, self.state.plan, phase)
 
   def global_tokens(self, plan: Plan) -> int:
     """Predicted tokens in one step of ``plan``, over every class."""
@@ -224,23 +186,23 @@ class TrainingRun:
     current one (``ntp_jax.train.precompile``): its state moves, steps and sync."""
     if self.precompiler is None:
       return
-    jobs = []  # a lost process's devices stay failed: no plan brings them back
-    lost = {(i // self.plan.tp, i % self.plan.tp) for i, d in enumerate(self.devices)
-            if d in self.lost_devices}
-    tp, dp = self.plan.tp, self.plan.dp
-    for failed in reachable_failed_sets(self.failed, dp=dp, tp=tp):
+    state, jobs = self.state, []  # a lost process's devices stay failed: no plan brings them back
+    lost = {(i // state.plan.tp, i % state.plan.tp) for i, d in enumerate(self.devices)
+            if d in self.guard.lost_devices}
+    tp, dp = state.plan.tp, state.plan.dp
+    for failed in reachable_failed_sets(state.failed, dp=dp, tp=tp):
       if not lost <= failed:
         continue
       try:
         plan = self.make_plan(failed)
       except (ValueError, ConfigError):
         continue  # no live replica left: nothing to compile for
-      dead = {self.devices[r * tp + s] for r, s in failed - self.failed}
+      dead = {self.devices[r * tp + s] for r, s in failed - state.failed}
       change = ", ".join(f"{'fail' if pair in failed else 'repair'} {pair[0]}:{pair[1]}"
-                         for pair in sorted(failed ^ self.failed))
+                         for pair in sorted(failed ^ state.failed))
       label = f"{change} -> TP degrees {[r.degree for r in plan.replicas]}"
       jobs.append(PlanJob(failed, label, functools.partial(
-          self._lower_plan, plan, self.programs, dead), origin=self.failed))
+          self._lower_plan, plan, state.programs, dead), origin=state.failed))
     self.precompiler.schedule(jobs)
 
   def _lower_plan(self, plan: Plan, programs: list, dead: set) -> list:
@@ -251,39 +213,49 @@ class TrainingRun:
       source = PeerSource(programs, dead, min_degree=plan.t_min)
     else:  # the restart path restores a checkpoint, whichever step it holds
       source = CheckpointShapes()
-    return lower_plan(plan, self.make_model, self.optimizer, self.config.train.clip_norm,
+    return lower_plan(plan, self.model.make, self.optimizer, self.config.train.clip_norm,
                       self.config.train.seq_len, self.devices, cache=self.cache, source=source,
-                      loss=self.loss, skip=self.cache.compiled_keys(), split=self.guarded(plan))
+                      loss=self.model.loss, skip=self.cache.compiled_keys(),
+                      split=self.guard.guarded(plan))
+
+  def _wait_for_compile_ahead(self, timeout_s: float | None) -> bool:
+    return self.precompiler is None or self.precompiler.wait_idle(timeout=timeout_s)
 
   def fresh_source(self, plan: Plan) -> LogicalSource:
     """The state a run without a checkpoint starts from: ``initial_source`` (logged) or init."""
-    if self.initial_source is None:
-      return InitSource(lambda: self.make_model(plan.logical_layouts))
-    source = self.initial_source()
+    if self.model.initial_source is None:
+      return InitSource(lambda: self.model.make(plan.logical_layouts))
+    source = self.model.initial_source()
     self.log(f"parameters: from {source.describe()}")
     return source
 
   def start(self, plan: Plan, source, step: int, cursor: int) -> None:
     """Programs of ``plan`` from ``source`` (a checkpoint), or fresh when it is None."""
-    self.step, self.cursor, self.furthest = step, cursor, step
-    self.saved_step = step if source is not None else None
+    self.state.start_at(step, cursor)
+    self.state.saved_step = step if source is not None else None
     if source is None:  # fresh parameters: part of start-up (idle time)
       self.build(plan, self.fresh_source(plan))
     else:
       with self.clock.timed("checkpoint_restore"):
         self.build(plan, source)
 
-  # -- checkpoints ----------------------------------------------------------------------------
+  # -- checkpoints and evaluation -------------------------------------------------------------
 
   def save(self) -> float:
-    meta = {"data_cursor": self.cursor, "plan": self.plan.summary(),
+    """A checkpoint of the steps done; returns the seconds the step was held (the move to
+    the even layout and the copy off the devices)."""
+    state = self.state
+    meta = {"data_cursor": state.cursor, "plan": state.plan.summary(),
             "config": self.config.to_json_dict()}
-    start = time.perf_counter()  # the hold: the move to the even layout and the copy off
-    self.checkpoints.save(self.step, logical_state(self.programs), meta)
+    start = time.perf_counter()
+    self.checkpoints.save(state.step, logical_state(state.programs), meta)
     held = time.perf_counter() - start
     self.clock.add("checkpoint_save", held)
-    self.saved_step = self.step
+    state.saved_step = state.step
     return held
+
+  def _evaluate(self, rows: np.ndarray) -> float:
+    return self.state.job_step.eval_loss(rows)
 
   # -- failures and repairs -------------------------------------------------------------------
 
@@ -291,182 +263,167 @@ class TrainingRun:
     """Change the failed set by ``events`` and move the job onto the new plan.
 
     The parts of the cost go to the ``recovered`` event, written after the
-    first step on the new plan (``finish_recovery``): ``plan_s``, ``wait_s``
+    first step on the new plan (``recovery.RecoveryRecord``): ``plan_s``, ``wait_s``
     (for a compile ahead of this plan still running), ``move_s``,
     ``compile_s`` (seconds this thread compiled from the failure to the end
     of that step) and ``first_step_s``.
     """
-    self.finish_recovery(None)
-    before = self.failed
+    state = self.state
+    self.recoveries.finish(state.step, None)
+    before = state.failed
     for event in events:
       pair = frozenset({(event.replica, event.slot)})
-      self.failed = self.failed | pair if event.kind == "fail" else self.failed - pair
-      self.marks.append({"step": self.step, "kind": event.kind, "label": event.describe()})
-      self.writer.event(event.kind, step=self.step, replica=event.replica, slot=event.slot,
+      state.failed = state.failed | pair if event.kind == "fail" else state.failed - pair
+      self.marks.append({"step": state.step, "kind": event.kind, "label": event.describe()})
+      self.writer.event(event.kind, step=state.step, replica=event.replica, slot=event.slot,
                         mid=event.mid)
-    dead = {self.devices[r * self.plan.tp + s] for r, s in self.failed - before}
+    dead = {self.devices[r * state.plan.tp + s] for r, s in state.failed - before}
     start, compiled = time.perf_counter(), compile_seconds()
-    plan = self.make_plan(self.failed)
+    plan = self.make_plan(state.failed)
     plan_s = time.perf_counter() - start
     dropped = "".join(f", replica {r} dropped (no live slot)" for r in plan.dropped)
     redo = "; step cut after its gradients, redone" if any(e.mid for e in events) else ""
     shares = ", ".join(f"{r.batch_share}" + micro_batch_text(
         r.batch_share, plan.classes[r.class_index].microbatches) for r in plan.replicas)
-    self.log(f"step {self.step}: {', '.join(e.describe() for e in events)} -> TP degrees "
+    self.log(f"step {state.step}: {', '.join(e.describe() for e in events)} -> TP degrees "
              f"{[r.degree for r in plan.replicas]}{dropped}, {plan.global_batch} sequences per "
              f"step (shares {shares}){redo}")
-    wait_s = self.precompiler.settle(self.failed) if self.precompiler is not None else 0.0
+    wait_s = self.precompiler.settle(state.failed) if self.precompiler is not None else 0.0
     self.clock.add("compile", wait_s)
-    ahead = self.precompiler is not None and (before, self.failed) in self.precompiler.ready
-    self.recovery = {"start": start, "compiled": compiled, "plan_s": plan_s, "wait_s": wait_s,
-                     "ahead": ahead, "cut": bool(redo)}
-    live = self.config.ntp.recovery == "live"
-    if live:
-      moving = time.perf_counter()
-      # Without compiling ahead, the moves of a plan met before are cached: say nothing of it.
-      state = ("" if self.precompiler is None else " (programs compiled ahead)" if ahead
-               else " (programs not compiled ahead: compiling them now)")
-      self.log(f"  moving the state from DP peers onto the new plan{state}")
-      poison(self.programs, dead)
-      source = PeerSource(self.programs, dead | self.lost_devices, min_degree=plan.t_min,
-                          devices=self.devices)
-      try:
-        self.build(plan, source)
-      except LookupError as err:
-        self.log(f"  live recovery impossible ({err}); restoring the last checkpoint instead")
-        self.restart(plan)
-        return
-      move_s = time.perf_counter() - moving
-      move_compile = compile_seconds() - compiled
-      self.clock.add("compile", move_compile)
-      self.clock.add("reconfigure", time.perf_counter() - start - wait_s - move_compile)
-      self.moved_bytes += source.copied_bytes
-      self.recovery.update(path="live", move_s=move_s, copied_bytes=source.copied_bytes,
-                           seconds=time.perf_counter() - start)
-      if jax.process_count() > 1:
-        self.recovery["crossed_bytes"] = source.crossed_bytes
-      across = (f" ({source.crossed_bytes / 1e6:.2f} MB between processes)"
-                if jax.process_count() > 1 else "")
-      self.log(f"  live: state moved from DP peers, {source.copied_bytes / 1e6:.2f} MB copied "
-               f"between devices{across}, in {move_s:.2f} s")
-    else:
+    ahead = self.precompiler is not None and (before, state.failed) in self.precompiler.ready
+    record = self.recoveries.begin(start, compiled, plan_s=plan_s, wait_s=wait_s, ahead=ahead,
+                                   cut=bool(redo))
+    if self.config.ntp.recovery != "live":
       self.restart(plan)
+      return
+    moving = time.perf_counter()
+    # Without compiling ahead, the moves of a plan met before are cached: say nothing of it.
+    note = ("" if self.precompiler is None else " (programs compiled ahead)" if ahead
+            else " (programs not compiled ahead: compiling them now)")
+    self.log(f"  moving the state from DP peers onto the new plan{note}")
+    poison(state.programs, dead)
+    source = PeerSource(state.programs, dead | self.guard.lost_devices, min_degree=plan.t_min,
+                        devices=self.devices)
+    try:
+      self.build(plan, source)
+    except LookupError as err:
+      self.log(f"  live recovery impossible ({err}); restoring the last checkpoint instead")
+      self.restart(plan)
+      return
+    move_s = time.perf_counter() - moving
+    move_compile = compile_seconds() - compiled
+    self.clock.add("compile", move_compile)
+    self.clock.add("reconfigure", time.perf_counter() - start - wait_s - move_compile)
+    self.moved_bytes += source.copied_bytes
+    record.path, record.move_s, record.copied_bytes = "live", move_s, source.copied_bytes
+    record.seconds = time.perf_counter() - start
+    across = ""
+    if jax.process_count() > 1:
+      record.crossed_bytes = source.crossed_bytes
+      across = f" ({source.crossed_bytes / 1e6:.2f} MB between processes)"
+    self.log(f"  live: state moved from DP peers, {source.copied_bytes / 1e6:.2f} MB copied "
+             f"between devices{across}, in {move_s:.2f} s")
 
   def restart(self, plan: Plan) -> None:
     """The restart path: the new plan restored from the last complete checkpoint."""
+    state = self.state
     start = time.perf_counter()
     if self.checkpoints is None:
-      raise RuntimeError(f"recovery at step {self.step}: no live copy of the state and "
+      raise RuntimeError(f"recovery at step {state.step}: no live copy of the state and "
                          "checkpoint.every=0; nothing to restart from")
     self.checkpoints.wait()
     latest = self.checkpoints.latest_step()
     if latest is None:
-      self.step, self.cursor, source = 0, 0, None
+      state.rewind(0, 0)
+      source = None
     else:
       meta = self.checkpoints.meta(latest)
-      self.step, self.cursor = latest, int(meta["data_cursor"])
+      state.rewind(latest, int(meta["data_cursor"]))
       source = self.checkpoints.source(latest)
     where = self.checkpoints.step_dir(latest) if latest is not None else "initialisation"
-    self.log(f"  restoring step {self.step} from {where} onto the new plan")
+    self.log(f"  restoring step {state.step} from {where} onto the new plan")
     self.build(plan, source or self.fresh_source(plan))
-    self.saved_step = latest
+    state.saved_step = latest
     self.clock.add("checkpoint_restore", time.perf_counter() - start)
     # Redone work: the steps past the checkpoint, and the step cut inside (already thrown away).
-    cut = int(self.recovery is not None and self.recovery.get("cut", False))
-    redo = self.furthest - self.step + cut
-    if self.recovery is not None:
-      self.recovery.update(path="restart", move_s=time.perf_counter() - start, redo=redo,
-                           seconds=time.perf_counter() - self.recovery["start"])
-    self.log(f"  restart: restored step {self.step} from {where} in "
+    record = self.recoveries.pending
+    cut = int(record is not None and record.cut)
+    redo = state.furthest - state.step + cut
+    if record is not None:
+      record.path, record.move_s, record.redo = "restart", time.perf_counter() - start, redo
+      record.seconds = time.perf_counter() - record.start
+    self.log(f"  restart: restored step {state.step} from {where} in "
              f"{time.perf_counter() - start:.2f} s; {redo} step(s) redone"
              + (" (counting the step cut inside)" if cut else ""))
 
-  def finish_recovery(self, first_step_s: float | None) -> None:
-    """Write the last recovery's ``recovered`` event, once its first step has run (or
-    ``first_step_s=None``: none will); see ``apply``."""
-    if self.recovery is None:
-      return
-    r, self.recovery = self.recovery, None
-    fields = {k: r[k] for k in ("path", "seconds", "plan_s", "wait_s", "move_s", "copied_bytes",
-                                "crossed_bytes", "redo") if k in r}
-    fields["compile_s"] = round(compile_seconds() - r["compiled"], 3)
-    fields["compiled_ahead"] = r["ahead"]
-    if first_step_s is not None:
-      fields["first_step_s"] = first_step_s
-    self.writer.event("recovered", step=self.step - (first_step_s is not None), **fields)
-
   # -- steps ----------------------------------------------------------------------------------
+
+  def _rows(self) -> DatasetRows:
+    state = self.state
+    return DatasetRows(self.dataset, state.cursor, state.plan.global_batch,
+                       self.config.train.seq_len)
 
   def discard_step(self) -> None:
     """A step cut by a failure after its gradients: computed, then thrown away."""
-    batch = DatasetRows(self.dataset, self.cursor, self.plan.global_batch,
-                        self.config.train.seq_len)
     with self.clock.timed("redone"):
-      self.job_step.gradients_only(batch)
+      self.state.job_step.gradients_only(self._rows())
     self.redone_steps += 1
 
   def run_step(self, steps: int) -> dict[str, Any]:
     """One optimizer step of the current plan, then its hooks; returns its metrics record."""
-    plan = self.plan
+    state = self.state
+    plan, job_step = state.plan, state.job_step
     degrees = [r.degree for r in plan.replicas]
     tokens = plan.global_batch * self.config.train.seq_len
-    batch = DatasetRows(self.dataset, self.cursor, plan.global_batch, self.config.train.seq_len)
-    if self.compile_next:
-      self.log(f"  step {self.step}: compiling the programs of this plan")
+    batch = self._rows()
+    if state.compile_next:
+      self.log(f"  step {state.step}: compiling the programs of this plan")
     busy = self.precompiler is not None and self.precompiler.busy
     start = time.perf_counter()
-    if self.arrival is not None and self.compile_next:
-      # A loss found while this step compiles is taken over once it has: allow for that.
-      self.job.heartbeat.takeover_s = max(self.takeover_base_s, COMPILE_TAKEOVER_S)
-    if self.job_step.before_sync is not None:
+    self.guard.step_starts(state.compile_next)
+    if job_step.before_sync is not None:
       # The last step's loss was read from one device: its sync may still run on the others.
       # Arrive once it has ended on every local device, so that no collective across
       # processes is in flight while the peers are counted (a peer that dies then cannot
       # hold this process in one).
       jax.block_until_ready([(p.params, p.opt_state) for p, local
-                             in zip(self.programs, self.job_step.local) if local])
+                             in zip(state.programs, job_step.local) if local])
       self._arrive("start")  # every process is here: none of this step's programs has run
-    metrics = self.job_step(batch)
+    metrics = job_step(batch)
     # Both block: with several classes the loss is ready before the update is done.
     loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
     elapsed = time.perf_counter() - start
     if not np.isfinite(loss):
-      raise FloatingPointError(f"loss is {loss} at step {self.step}; lower train.lr")
-    if self.arrival is not None:
-      # A loss found mid-step is taken over at the next arrival: allow a few steps' time
-      # (a step that compiled says nothing of the next one's).
-      self.job.heartbeat.takeover_s = max(self.takeover_base_s,
-                                          0.0 if self.compile_next else 3 * elapsed)
-    redone = self.step < self.furthest
+      raise FloatingPointError(f"loss is {loss} at step {state.step}; lower train.lr")
+    compiled = state.compile_next
+    self.guard.step_ended(elapsed, compiled)
+    redone = state.redoing
     self.redone_steps += redone
     # A step that compiles is mostly compilation, even when it is also redone work.
-    compiled = self.compile_next
     bucket = "compile" if compiled else "redone" if redone else "productive"
     self.clock.add(bucket, elapsed)
-    self.compile_next = False
+    state.compile_next = False
     if not redone:
       self.clock.tokens += tokens
-    self.cursor += plan.global_batch
-    record = {"step": self.step, "loss": loss, "tokens": tokens, "step_time_s": elapsed,
+    record = {"step": state.step, "loss": loss, "tokens": tokens, "step_time_s": elapsed,
               "tp_degree": min(degrees), "tp_degrees": degrees,
               "grad_norm": grad_norm, "global_batch": plan.global_batch,
-              "data_cursor": self.cursor, "time": time.time()}
+              "data_cursor": state.cursor + plan.global_batch, "time": time.time()}
     if compiled:
       record["compiled"] = True
-      self.cache.mark_compiled(self.job_step.keys)
+      self.cache.mark_compiled(job_step.keys)
     if busy:
       record["precompiling"] = True  # a background compile shared the machine
-    self.step += 1
-    self.furthest = max(self.furthest, self.step)
+    state.advance(plan.global_batch)
     self.losses.append(loss)
     self.records.append(record)
-    self.finish_recovery(elapsed)
-    if self.ahead_of is not self.plan:  # after a plan's first step: it has the machine first
-      self.ahead_of = self.plan
+    self.recoveries.finish(record["step"], elapsed)
+    if self.ahead_of is not plan:  # after a plan's first step: it has the machine first
+      self.ahead_of = plan
       self.compile_ahead()
-    info = StepInfo(step=record["step"], done=self.step, total=steps, plan=plan, loss=loss,
+    info = StepInfo(step=record["step"], done=state.step, total=steps, plan=plan, loss=loss,
                     grad_norm=grad_norm, tokens=tokens, step_time_s=elapsed,
-                    compiled=compiled, record=record, run=self)
+                    compiled=compiled, record=record, services=self.services)
     for hook in self.hooks:
       if hook.due(info):
         hook.on_step(info)
@@ -476,27 +433,23 @@ class TrainingRun:
 
   def process_lost(self, lost: ProcessLost) -> None:
     """Processes lost before this step's sync: go on without their devices
-    (``distributed.recoverable``), else write the last completed step and stop."""
-    if not self.job.recoverable:
-      write_just_in_time(self, lost)  # ends the process
-    gone = {d for d in self.devices if d.process_index in lost.processes}
-    self.lost_devices |= gone
-    tp = self.plan.tp
-    events = [Event(self.step, True, "fail", i // tp, i % tp) for i, d in enumerate(self.devices)
-              if d in gone and (i // tp, i % tp) not in self.failed]
-    self.log(f"step {self.step}: {lost.message}; process {self.job.process_id} goes on without "
-             f"it (distributed.recoverable): {len(gone)} device(s) fail")
-    self.writer.event("process_lost", step=self.step, processes=sorted(lost.processes))
-    self.arrival.epoch += 1
-    if self.checkpoints is not None:
-      self.checkpoints.restrict(self.live_processes())
-    # The old state on the live processes' replicas only: no move touches a lost process.
-    self.programs = [p for p in (live_rows(p, self.live_processes()) for p in self.programs)
-                     if p is not None]
-    self.apply(events)
+    (``distributed.recoverable``).
 
-  def live_processes(self) -> set[int]:
-    return set(range(self.job.num_processes)) - self.lost_processes
+    Raises:
+      process_guard.ProcessStop: not recoverable; the last completed step was written as a
+        just-in-time checkpoint where possible.
+    """
+    state = self.state
+    if not self.job.recoverable:
+      raise self.guard.stop(lost, state.just_in_time(self.config.to_json_dict()),
+                            self.checkpoints)
+    events = self.guard.take_loss(lost, state.step, state.plan.tp, state.failed)
+    live = self.guard.live_processes()
+    if self.checkpoints is not None:
+      self.checkpoints.restrict(live)
+    # The old state on the live processes' replicas only: no move touches a lost process.
+    state.programs = [p for p in (live_rows(p, live) for p in state.programs) if p is not None]
+    self.apply(events)
 
   def events_before(self, step: int) -> list[Event]:
     """What the hooks report before ``step``: their events, and a ``DeviceFailure`` one
@@ -504,7 +457,7 @@ class TrainingRun:
     events = []
     for hook in self.hooks:
       try:
-        events += list(hook.before_step(self, step))
+        events += list(hook.before_step(step, self.services))
       except DeviceFailure as failure:  # found before the step: a failure between steps
         events.append(Event(step, False, "fail", failure.replica, failure.slot))
     return events
@@ -514,11 +467,15 @@ class TrainingRun:
     report, ``Hook.before_step``) at their steps; then every hook's ``on_end``.
 
     A ``events.DeviceFailure`` raised by a step is handled as a failure inside that step.
+
+    Raises:
+      process_guard.ProcessStop: a lost process ends this one (not recoverable).
     """
+    state = self.state
     pending = sorted(events)
     try:
-      while self.step < steps and not stop.due(self.step):
-        due = [e for e in pending if e.step == self.step] + self.events_before(self.step)
+      while state.step < steps and not stop.due(state.step):
+        due = [e for e in pending if e.step == state.step] + self.events_before(state.step)
         between = [e for e in due if not e.mid]
         if between:
           self.apply(between)
@@ -531,16 +488,16 @@ class TrainingRun:
         try:
           self.run_step(steps)
         except DeviceFailure as failure:
-          self.apply([Event(self.step, True, "fail", failure.replica, failure.slot)])
+          self.apply([Event(state.step, True, "fail", failure.replica, failure.slot)])
         except ProcessLost as lost:
           # The step's gradients are thrown away: its update never ran.
           self.clock.add("redone", time.perf_counter() - attempt)
           self.redone_steps += 1
-          self.compile_next = False
+          state.compile_next = False
           self.process_lost(lost)
     finally:
-      self.finish_recovery(None)
+      self.recoveries.finish(state.step, None)
       if self.precompiler is not None:
         self.precompiler.close()
       for hook in self.hooks:
-        hook.on_end(self)
+        hook.on_end(self.services)

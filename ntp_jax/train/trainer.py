@@ -49,6 +49,7 @@ from ntp_jax.train.loop import TrainingRun
 from ntp_jax.train.metrics import MetricsWriter, TensorBoardWriter
 from ntp_jax.train.model_spec import ModelSpec, load_model_spec
 from ntp_jax.train.optim import make_optimizer
+from ntp_jax.train.process_guard import ProcessStop, end_after_grace
 from ntp_jax.train.report import parameter_table
 from ntp_jax.train.resources import check_footprint
 from ntp_jax.train.resume import ResumePoint, check_resumable, resume_point
@@ -72,6 +73,8 @@ class TrainResult:
     cache: (hits, misses) of the program cache.
     moved_bytes: bytes moved between devices by live recoveries.
     redone_steps: steps whose work was thrown away.
+    compiled_ahead: (programs, wall seconds) compiled in the background for the plans one
+      failure or repair away (``ntp.precompile``).
     footprints: per-class memory and flops, when the plan was worked out
       (``dry_run``, or a plan near the devices' capacity).
     dry_run: the run only printed its plan.
@@ -89,6 +92,7 @@ class TrainResult:
   cache: tuple[int, int] = (0, 0)
   moved_bytes: int = 0
   redone_steps: int = 0
+  compiled_ahead: tuple[int, float] = (0, 0.0)
   footprints: list[ClassFootprint] | None = None
   dry_run: bool = False
 
@@ -176,6 +180,10 @@ def train(config, *, model: ModelSpec | None = None, log=print,
       ``checkpoint.CheckpointError`` (a ``ConfigError``) for an unusable
       checkpoint, naming the path or parameter; ``resources.ResourceError``
       (a ``ConfigError``) when the devices cannot hold the step.
+    process_guard.ProcessStop: a peer process was lost and this one must end (its
+      ``status`` and one-line ``message``; the last completed step written as a
+      just-in-time checkpoint where possible); end the process with ``os._exit(status)``
+      (a thread does, ``process_guard.STOP_GRACE_S`` later, if the caller cannot).
   """
   config = as_run_config(config)
   user_hooks = [as_hook(h) for h in hooks]
@@ -233,10 +241,15 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   log(start.plan.describe())
 
   extra = ([DetectorHook(detector)] if detector is not None else []) + user_hooks
+  lost = False
   with StopSignals(job.stop_agreement()) as stop:
     try:
       return _run(config, model, optimizer, devices, checkpoints, start, stop, log, dataset,
                   extra, job)
+    except ProcessStop as process_stop:
+      lost = True  # closing would wait for the lost peer in orbax's threads
+      end_after_grace(process_stop)  # the caller ends the process; if it cannot, this does
+      raise
     except KeyboardInterrupt:
       where = checkpoints and checkpoints.latest_step()
       saved = (f"last checkpoint {checkpoints.step_dir(where)}" if where is not None
@@ -245,7 +258,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
       return TrainResult(plan=start.plan, metrics_path=metrics_path, start_step=start.step,
                          interrupted=True)
     finally:
-      if checkpoints is not None:
+      if checkpoints is not None and not lost:
         checkpoints.close()
 
 
@@ -309,23 +322,21 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
   log(dataset.describe())
   primary = jax.process_index() == 0  # process 0 writes the metrics, the events, the plot
   writer = MetricsWriter(config.workdir, enabled=primary)
-  run = TrainingRun(config, make_plan=functools.partial(plan_for, config, model),
-                    make_model=model.make, loss=model.loss, optimizer=optimizer,
-                    devices=devices, dataset=dataset, checkpoints=checkpoints, writer=writer,
-                    log=log, failed=start.failed,
+  run = TrainingRun(config, model, make_plan=functools.partial(plan_for, config, model),
+                    optimizer=optimizer, devices=devices, dataset=dataset,
+                    checkpoints=checkpoints, writer=writer, log=log, failed=start.failed,
                     hooks=default_hooks(config, log, writer, dataset, primary) + extra_hooks,
-                    initial_source=model.initial_source,
                     precompile=precompile_on(config, devices, log), job=job)
   try:
     run.start(start.plan, start.source, start.step, start.cursor)
-    plan = start.plan
+    plan, state = start.plan, run.state
     # Shapes only: slicing one replica's copy out of the stacked arrays would copy them.
-    shapes = [jax.eval_shape(replica_view, p.params) for p in run.programs]
-    for program, shape in zip(run.programs, shapes):
+    shapes = [jax.eval_shape(replica_view, p.params) for p in state.programs]
+    for program, shape in zip(state.programs, shapes):
       log(f"class {program.replica_class.index} (TP degree {program.replica_class.degree}, "
           f"replicas {list(program.replica_class.replicas)}):")
       log(parameter_table(shape))
-    if len(run.programs) > 1:
+    if len(state.programs) > 1:
       itemsize = max(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes[0]))
       traffic = sync_traffic(plan, shapes, itemsize)
       log(f"gradient sync per step: {traffic['cross_replica'] / 1e6:.2f} MB across domains, "
@@ -336,31 +347,33 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
 
     run.train(config.train.steps, start.events, stop)
 
-    if checkpoints is not None and run.saved_step != run.step:
+    if checkpoints is not None and state.saved_step != state.step:
       run.save()
     if checkpoints is not None:
       with run.clock.timed("checkpoint_save"):
         checkpoints.wait()
-    where = checkpoints.step_dir(run.saved_step) if run.saved_step is not None else None
+    where = checkpoints.step_dir(state.saved_step) if state.saved_step is not None else None
     finish(run, config, log)
     if stop.received is not None:
-      writer.event("stop", step=run.step, signal=stop.received, checkpoint=where)
+      writer.event("stop", step=state.step, signal=stop.received, checkpoint=where)
       saved = (f"checkpoint written to {where}" if where else
                "no checkpoint written (checkpoint.every=0)")
       plot(run, config, log)  # after the stop's row; the line saying where it stopped is last
-      log(f"interrupted at step {run.step} ({stop.received}); {saved}")
+      log(f"interrupted at step {state.step} ({stop.received}); {saved}")
     else:
-      writer.event("end", step=run.step, checkpoint=where)
+      writer.event("end", step=state.step, checkpoint=where)
       if where:
         log(f"checkpoint written to {where}")
       plot(run, config, log)
   finally:
     writer.close()
-  return TrainResult(plan=run.plan, metrics_path=writer.path, losses=run.losses,
-                     records=run.records, programs=run.programs, start_step=start.step,
+  ahead = run.precompiler
+  return TrainResult(plan=state.plan, metrics_path=writer.path, losses=run.losses,
+                     records=run.records, programs=state.programs, start_step=start.step,
                      interrupted=stop.received is not None, checkpoint=where,
                      goodput=run.clock.buckets(), cache=(run.cache.hits, run.cache.misses),
-                     moved_bytes=run.moved_bytes, redone_steps=run.redone_steps)
+                     moved_bytes=run.moved_bytes, redone_steps=run.redone_steps,
+                     compiled_ahead=(ahead.compiled, ahead.seconds) if ahead else (0, 0.0))
 
 
 def closing_summary(records: list[dict[str, Any]], wall_s: float, metrics_path: str) -> str:

@@ -4,7 +4,8 @@ import numpy as np
 from helpers import tiny_config
 
 from ntp_jax.resilience.events import Event
-from ntp_jax.train.hooks import Hook, StepInfo
+from ntp_jax.train.hooks import Hook, RunServices, StepInfo
+from ntp_jax.train.loop import TrainingRun
 from ntp_jax.train.metrics import read_metrics
 from ntp_jax.train.trainer import train
 
@@ -18,7 +19,7 @@ class Recorder(Hook):
     self.asked: list[int] = []
     self.ended = 0
 
-  def before_step(self, run, step):
+  def before_step(self, step, services):
     self.asked.append(step)
     if step == self.fail_before:
       return [Event(step, False, "fail", 0, 1)]
@@ -27,17 +28,32 @@ class Recorder(Hook):
   def on_step(self, info):
     self.seen.append(info)
 
-  def on_end(self, run):
+  def on_end(self, services):
     self.ended += 1
+
+
+class ReachesForTheTrainer(Hook):
+  """A hook that looks for the trainer in what it is given: it must find none."""
+
+  def __init__(self):
+    self.found, self.errors = [], []
+
+  def on_step(self, info):
+    try:
+      info.run  # noqa: B018  (the field hooks used to get)
+    except AttributeError as err:
+      self.errors.append(str(err))
+    given = [*vars(info).values(), *vars(info.services).values()]
+    self.found += [v for v in given if isinstance(v, TrainingRun)]
 
 
 def test_hooks_from_python_see_every_step_and_the_complete_record(tmp_path):
   steps = 6
   config = tiny_config(tmp_path, **{"train.steps": steps, "mesh.dp": 2, "mesh.tp": 4})
   every_step, every_third = Recorder(fail_before=4), Recorder(every=3)
-  plain = []
+  plain, nosy = [], ReachesForTheTrainer()
   result = train(config, log=lambda *_: None,
-                 hooks=[every_step, every_third, lambda info: plain.append(info.step)])
+                 hooks=[every_step, every_third, lambda info: plain.append(info.step), nosy])
   assert [i.step for i in every_step.seen] == list(range(steps)) == plain
   assert [i.done for i in every_third.seen] == [3, 6]
   assert every_step.asked == list(range(steps)) and every_step.ended == 1
@@ -52,3 +68,6 @@ def test_hooks_from_python_see_every_step_and_the_complete_record(tmp_path):
   degrees = [[r.degree for r in i.plan.replicas] for i in every_step.seen]
   assert degrees == [[4, 4]] * 4 + [[3, 4]] * 2
   assert every_step.seen[0].compiled and not every_step.seen[1].compiled
+  # Hooks get the step's facts and the services they may use, never the trainer itself.
+  assert len(nosy.errors) == steps and not nosy.found
+  assert all(isinstance(i.services, RunServices) for i in every_step.seen)

@@ -34,9 +34,9 @@ class WaitForAhead(Hook):
   def __init__(self, steps):
     self.steps = steps
 
-  def before_step(self, run, step):
-    if step in self.steps and run.precompiler is not None:
-      assert run.precompiler.wait_idle(timeout=600)
+  def before_step(self, step, services):
+    if step in self.steps:
+      assert services.wait_for_compile_ahead(600)
     return []
 
 

@@ -20,6 +20,7 @@ from absl import app  # noqa: E402
 
 import ntp_jax.train.trainer as trainer  # noqa: E402
 import train  # noqa: E402
+from ntp_jax.resilience.arrival import arrival_key  # noqa: E402
 from ntp_jax.train.hooks import Hook  # noqa: E402
 
 
@@ -31,9 +32,9 @@ class DieAfter(Hook):
     if info.step == self.step and jax.process_index() == self.process:
       # Once process 0 waits at the next step's start: no collective of this step is still
       # running there (a kill inside one cannot be survived on gloo; docs/multihost.md).
-      client = info.run.arrival.client
-      key = info.run.arrival.key(self.step + 1, 0, "start")
-      client.blocking_key_value_get(key, 60_000)
+      from jax._src import distributed as jax_distributed  # the coordination service's client
+      key = arrival_key(0, self.step + 1, 0, "start")  # epoch 0: no process lost before
+      jax_distributed.global_state.client.blocking_key_value_get(key, 60_000)
       os.kill(os.getpid(), signal.SIGKILL)
 
 

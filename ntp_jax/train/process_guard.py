@@ -1,0 +1,146 @@
+"""This process's watch over the others of a multi-process job, between steps.
+
+A plan over several processes whose every TP group lies in one process is
+*guarded*: each step waits for every process to arrive before its first
+program and before its gradient sync (``resilience.arrival``), so a lost
+peer is met between collectives. The guard then either turns the loss into
+failure events for the run to apply (``distributed.recoverable``: the run
+goes on without the lost devices) or writes the last completed step as a
+just-in-time checkpoint (``train.just_in_time``) and raises ``ProcessStop``
+with the exit status for ``train.py``. It never ends the process itself;
+only a watching thread does, when the main thread is held in a collective
+with the lost peer and cannot return (``heartbeat.end_process``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import jax
+
+from ntp_jax.parallel.distributed import Job
+from ntp_jax.parallel.plan import Plan
+from ntp_jax.resilience.arrival import Arrival, ProcessLost
+from ntp_jax.resilience.events import Event
+from ntp_jax.resilience.heartbeat import LOST_EXIT_CODE, end_process
+from ntp_jax.sharding.topology import processes_of
+from ntp_jax.train.just_in_time import JustInTimeState, write_just_in_time
+
+# Seconds the heartbeat waits for the main thread to take a loss over while a step
+# compiles (a large model's first step compiles for minutes); else a few steps' time.
+COMPILE_TAKEOVER_S = 900.0
+# Seconds a stopping process gets to reach its end after a ProcessStop.
+STOP_GRACE_S = 30.0
+
+
+class ProcessStop(Exception):
+  """This process must stop: a peer was lost and the run cannot go on here.
+
+  ``train.py`` prints ``error: <message>`` and ends the process with ``status``
+  (``os._exit``: orbax's and JAX's threads would wait for the lost peer at a
+  normal exit). A Python caller of ``train`` should do the same.
+
+  Attributes:
+    status: the exit status (``heartbeat.LOST_EXIT_CODE``).
+    message: one line naming the lost process and what was written.
+  """
+
+  def __init__(self, message: str, status: int = LOST_EXIT_CODE):
+    super().__init__(message)
+    self.message, self.status = message, status
+
+
+class ProcessGuard:
+  """Arrival checks, loss take-over and lost devices of one process in a multi-process job.
+
+  Args:
+    job: this process's ``distributed.Job``; its heartbeat must offer losses to the main
+      thread (``takeover_s`` set), else no step is guarded.
+    devices: the job's devices, slot-major per replica (``trainer.check_devices``).
+    log: one-line logger. event: ``(kind, **fields)`` (``metrics.MetricsWriter.event``).
+  """
+
+  def __init__(self, job: Job | None, devices: Sequence[jax.Device],
+               log: Callable[..., None], event: Callable[..., None]):
+    self.job, self.devices, self.log, self.event = job, list(devices), log, event
+    self.arrival: Arrival | None = None
+    self.takeover_base_s = 0.0
+    if job is not None and job.multi_process and job.heartbeat is not None and (
+        job.heartbeat.takeover_s is not None):
+      self.arrival = Arrival(job.client, job.process_id, job.heartbeat)
+      self.takeover_base_s = job.heartbeat.takeover_s
+    self.lost_devices: set[jax.Device] = set()  # devices of processes lost (recoverable mode)
+
+  @property
+  def lost_processes(self) -> set[int]:
+    return {d.process_index for d in self.lost_devices}
+
+  def live_processes(self) -> set[int]:
+    return set(range(self.job.num_processes)) - self.lost_processes
+
+  def plan_processes(self, plan: Plan) -> set[int]:
+    """The processes whose devices the plan's live replicas use."""
+    return processes_of(self.devices[r.replica * plan.tp + s]
+                        for r in plan.replicas for s in r.live_slots)
+
+  def guarded(self, plan: Plan) -> bool:
+    """Steps of ``plan`` check every process's arrival before their sync: a plan over
+    several processes whose every TP group lies in one (else the gradients themselves
+    cross processes, and a lost process holds the others in them)."""
+    if self.arrival is None or len(self.plan_processes(plan)) < 2:
+      return False
+    return all(len(processes_of(self.devices[r.replica * plan.tp + s] for s in r.live_slots)) == 1
+               for r in plan.replicas)
+
+  def arrive(self, step: int, plan: Plan, phase: str = "sync") -> None:
+    """Wait until every live process of ``plan`` reached ``phase`` of ``step``.
+
+    Raises:
+      ProcessLost: a peer was declared lost first (``resilience.arrival``).
+    """
+    self.arrival.wait(step, self.plan_processes(plan) - self.lost_processes, phase)
+
+  def step_starts(self, compiles: bool) -> None:
+    """A loss found while a step compiles is taken over once it has: allow for that."""
+    if self.arrival is not None and compiles:
+      self.job.heartbeat.takeover_s = max(self.takeover_base_s, COMPILE_TAKEOVER_S)
+
+  def step_ended(self, elapsed_s: float, compiled: bool) -> None:
+    """A loss found mid-step is taken over at the next arrival: allow a few steps' time (a
+    step that compiled says nothing of the next one's)."""
+    if self.arrival is not None:
+      self.job.heartbeat.takeover_s = max(self.takeover_base_s,
+                                          0.0 if compiled else 3 * elapsed_s)
+
+  def take_loss(self, lost: ProcessLost, step: int, tp: int,
+                failed: frozenset[tuple[int, int]]) -> list[Event]:
+    """Go on without the lost processes (``distributed.recoverable``): their devices join
+    the lost ones, and the ``fail`` events (inside ``step``) of their slots not failed yet
+    are returned for the run to apply."""
+    gone = {d for d in self.devices if d.process_index in lost.processes}
+    self.lost_devices |= gone
+    events = [Event(step, True, "fail", i // tp, i % tp) for i, d in enumerate(self.devices)
+              if d in gone and (i // tp, i % tp) not in failed]
+    self.log(f"step {step}: {lost.message}; process {self.job.process_id} goes on without "
+             f"it (distributed.recoverable): {len(gone)} device(s) fail")
+    self.event("process_lost", step=step, processes=sorted(lost.processes))
+    self.arrival.epoch += 1
+    return events
+
+  def stop(self, lost: ProcessLost, state: JustInTimeState, checkpoints) -> ProcessStop:
+    """The loss ends this process: the last completed step written as a just-in-time
+    checkpoint where possible (``train.just_in_time``); returns the ``ProcessStop`` to raise.
+    """
+    survivors = self.live_processes() - set(lost.processes)
+    message = write_just_in_time(self.job, lost, survivors, state, checkpoints, self.log,
+                                 self.event)
+    return ProcessStop(message)
+
+
+def end_after_grace(stop: ProcessStop, grace_s: float = STOP_GRACE_S) -> None:
+  """Should the way out after ``stop`` wait on the lost peer, end the process after
+  ``grace_s`` seconds from a thread (``heartbeat.end_process``)."""
+  backstop = threading.Timer(grace_s, end_process, (stop.message,))
+  backstop.daemon = True
+  backstop.start()

@@ -1,0 +1,133 @@
+"""The trainer's parts built alone, without ``train()``: the recovery record and the guard
+over the other processes (arrival, a lost process taken over, the stop it ends in)."""
+
+import dataclasses
+import functools
+
+import pytest
+from helpers import SMALL
+
+from models.gpt import model_layouts
+from ntp_jax.parallel.distributed import Job
+from ntp_jax.parallel.plan import make_plan
+from ntp_jax.resilience.arrival import ProcessLost
+from ntp_jax.resilience.heartbeat import LOST_EXIT_CODE
+from ntp_jax.train.process_guard import ProcessGuard, ProcessStop
+from ntp_jax.train.recovery import Recoveries
+from ntp_jax.train.run_state import RunState
+
+
+class Events:
+  def __init__(self):
+    self.rows = []
+
+  def __call__(self, kind, **fields):
+    self.rows.append((kind, fields))
+
+
+def test_a_recovery_is_written_once_its_first_step_ran_with_only_the_fields_it_set():
+  events, compiled = Events(), [10.0]
+  recoveries = Recoveries(events, lambda: compiled[0])
+  record = recoveries.begin(100.0, 10.0, plan_s=0.25, wait_s=0.5, ahead=True)
+  record.path, record.move_s, record.copied_bytes, record.seconds = "live", 1.5, 4096, 2.0
+  compiled[0] = 10.75  # seconds this thread compiled since the failure
+  recoveries.finish(7, 0.125)
+  recoveries.finish(8, 0.125)  # nothing pending: nothing written
+  assert events.rows == [("recovered", {
+      "step": 7, "path": "live", "seconds": 2.0, "plan_s": 0.25, "wait_s": 0.5,
+      "move_s": 1.5, "copied_bytes": 4096, "compile_s": 0.75, "compiled_ahead": True,
+      "first_step_s": 0.125})]
+  recoveries.begin(200.0, 10.75, cut=True).redo = 3
+  recoveries.finish(9, None)  # no step ran on the plan: no first_step_s
+  assert events.rows[1] == ("recovered", {"step": 9, "plan_s": 0.0, "wait_s": 0.0, "redo": 3,
+                                          "compile_s": 0.0, "compiled_ahead": False})
+
+
+def test_the_run_state_counts_redone_steps_after_a_rewind():
+  state = RunState(frozenset())
+  state.start_at(4, 40)
+  state.advance(8)
+  state.advance(8)
+  assert (state.step, state.cursor, state.furthest, state.redoing) == (6, 56, 6, False)
+  state.rewind(4, 40)
+  assert state.redoing and state.furthest == 6
+
+
+@dataclasses.dataclass(eq=False)
+class Device:
+  id: int
+  process_index: int
+
+
+class Store:
+  """The coordination service's key-value store, in one process."""
+
+  def __init__(self):
+    self.values = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    self.values[key] = value
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    if key not in self.values:
+      raise TimeoutError(key)
+    return self.values[key]
+
+  def key_value_delete(self, key):
+    self.values.pop(key, None)
+
+
+class Heartbeat:
+  def __init__(self):
+    self.takeover_s, self.lost_processes, self.lost, self.taken = 2.0, set(), None, 0
+
+  def take_over(self):
+    self.taken += 1
+    return set(self.lost_processes)
+
+
+def guard_of_two_processes(**job_fields):
+  """Process 0's guard in a job of two processes, each driving one TP-4 replica."""
+  devices = [Device(i, i // 4) for i in range(8)]
+  heartbeat, store = Heartbeat(), Store()
+  job = Job(process_id=0, num_processes=2, heartbeat=heartbeat, client=store, **job_fields)
+  logged, events = [], Events()
+  guard = ProcessGuard(job, devices, lambda line, **_: logged.append(line), events)
+  plan = make_plan(functools.partial(model_layouts, SMALL), tp=4, dp=2, failed=frozenset(),
+                   batch_size=4)
+  return guard, plan, heartbeat, store, logged, events
+
+
+def test_the_guard_waits_for_every_process_and_raises_when_one_is_lost():
+  guard, plan, heartbeat, store, _, _ = guard_of_two_processes(recoverable=True)
+  assert guard.guarded(plan) and guard.plan_processes(plan) == {0, 1}
+  store.key_value_set(guard.arrival.key(3, 1, "start"), "1")
+  guard.arrive(3, plan, "start")  # the peer is there: returns
+  assert guard.arrival.key(3, 0, "start") in store.values
+  heartbeat.lost_processes, heartbeat.lost = {1}, "lost process 1 of 2: no heartbeat"
+  with pytest.raises(ProcessLost) as lost:
+    guard.arrive(3, plan, "sync")
+  assert lost.value.processes == {1} and heartbeat.taken == 1
+
+
+def test_a_recoverable_guard_turns_a_lost_process_into_failures_of_its_slots():
+  guard, plan, _, _, logged, events = guard_of_two_processes(recoverable=True)
+  lost = ProcessLost({1}, 5, "lost process 1 of 2: no heartbeat")
+  failures = guard.take_loss(lost, 5, plan.tp, frozenset({(1, 2)}))
+  # Slot 2 of replica 1 had failed already: the other three fail inside step 5.
+  assert [(e.step, e.mid, e.kind, e.replica, e.slot) for e in failures] == [
+      (5, True, "fail", 1, s) for s in (0, 1, 3)]
+  assert guard.lost_processes == {1} and guard.live_processes() == {0}
+  assert events.rows == [("process_lost", {"step": 5, "processes": [1]})]
+  assert guard.arrival.epoch == 1 and "goes on without it" in logged[0]
+
+
+def test_a_guard_that_cannot_go_on_returns_the_stop_instead_of_ending_the_process():
+  guard, plan, _, _, _, _ = guard_of_two_processes(recoverable=False, jit_checkpoint_s=0.0)
+  state = RunState(frozenset(), plan=plan, step=5, cursor=20)
+  stop = guard.stop(ProcessLost({1}, 5, "lost process 1 of 2"), state.just_in_time({}),
+                    checkpoints=None)
+  assert isinstance(stop, ProcessStop) and stop.status == LOST_EXIT_CODE
+  assert stop.message == ("lost process 1 of 2; distributed.jit_checkpoint_s=0: no "
+                          "just-in-time checkpoint; restart the job from its last checkpoint "
+                          "(none written)")
