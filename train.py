@@ -7,7 +7,7 @@ Kept short on purpose: it parses the config, makes sure enough devices exist
 (on a machine without an accelerator it simulates ``mesh.dp * mesh.tp`` CPU
 devices, set before JAX starts, unless ``XLA_FLAGS`` already sets a count),
 joins a multi-process job when the config or the environment asks for one
-(``ntp_jax.parallel.distributed``), and calls ``ntp_jax.train.trainer.train``.
+(``ntp_jax.processes.distributed``), and calls ``ntp_jax.train.trainer.train``.
 """
 
 import os
@@ -17,7 +17,7 @@ import traceback
 from absl import app, logging
 from ml_collections import config_flags
 
-from ntp_jax.resilience.heartbeat import LOST_EXIT_CODE  # no JAX here: XLA_FLAGS come first
+from ntp_jax.processes.heartbeat import LOST_EXIT_CODE  # no JAX here: XLA_FLAGS come first
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).")
 
@@ -51,7 +51,7 @@ def main(argv):
   config = _CONFIG.value
   # These import JAX; its backend starts later, reading XLA_FLAGS.
   from ntp_jax.errors import ConfigError
-  from ntp_jax.parallel import distributed
+  from ntp_jax.processes import distributed
   from ntp_jax.train.config import RunConfig
   try:
     run_config = RunConfig.from_config(config)  # every field checked once, here

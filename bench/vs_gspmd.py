@@ -9,7 +9,7 @@ MaxText user runs). Both start from the same logical parameters (the GSPMD
 side takes ntp_jax's, joined), so the first losses must agree. Per device and
 step, from the compiled programs: flops and bytes accessed (XLA's cost
 analysis) and the bytes of every all-reduce (read from the optimized HLO,
-``ntp_jax.parallel.hlo_collectives``). XLA counts a loop body once, so these
+``ntp_jax.analysis.hlo_collectives``). XLA counts a loop body once, so these
 come from unrolled programs at 2 and 3 layers, extended to the model's depth
 (``footprint.per_device_flops``). Step times are the scanned programs (what
 training runs), timed in pairs in one process, the order alternating, and
@@ -40,9 +40,9 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
+from ntp_jax.analysis.cost import flops_of  # noqa: E402
+from ntp_jax.analysis.hlo_collectives import collectives, totals  # noqa: E402
 from ntp_jax.layers.shard import replica_view, to_logical  # noqa: E402
-from ntp_jax.parallel.cost import flops_of  # noqa: E402
-from ntp_jax.parallel.hlo_collectives import collectives, totals  # noqa: E402
 from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import build_class_programs  # noqa: E402

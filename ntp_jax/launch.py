@@ -4,7 +4,7 @@ For trying multi-process runs without a cluster. Starts ``N`` copies of
 ``CMD`` (e.g. ``python train.py --config configs/gpt_tiny.py``), each told
 its place through ``NTP_JAX_COORDINATOR`` (127.0.0.1 and a free port),
 ``NTP_JAX_NUM_PROCESSES`` and ``NTP_JAX_PROCESS_ID`` (read by
-``ntp_jax.parallel.distributed``), with its own CPU devices and gloo collectives.
+``ntp_jax.processes.distributed``), with its own CPU devices and gloo collectives.
 Every output line is prefixed with ``[i]``; gloo's connection chatter is
 dropped (``is_chatter``). When one process fails, the others are stopped
 (SIGTERM, then SIGKILL after ``--grace`` seconds) and the launcher exits
@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from ntp_jax.parallel.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from ntp_jax.processes.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 
 def free_port() -> int:

@@ -6,6 +6,7 @@
   job's step over every class.
 - ``sync``, ``sync_leaf``, ``regroup``: the exact gradient sync between classes of different
   TP degree; ``grad_norm``: clipping by the logical norm; ``accumulate``: micro-batches.
-- ``cost``, ``hlo_collectives``: flops and collective bytes read from compiled programs.
-- ``distributed``: joining a multi-process job, scale-up domains.
+
+Processes (``ntp_jax.processes``) and reading compiled programs back
+(``ntp_jax.analysis``) live beside it.
 """

@@ -51,7 +51,7 @@ class JobStep:
       gradient sync runs as its own program even with one class.
     before_sync: called after the gradients and before the sync (the step's first
       collective across processes when every TP group lies in one process): the
-      arrival check of ``resilience.arrival``. What it raises leaves the state as it was.
+      arrival check of ``processes.arrival``. What it raises leaves the state as it was.
 
   Raises:
     ValueError: this process holds no device of the plan.

@@ -238,7 +238,7 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
       (``steps.StepSettings``); default: the optimizer object.
     split: the gradient and update halves even with one class (``steps.SplitStep``),
       so that a multi-process job checks every process's arrival between them
-      (``resilience.arrival``).
+      (``processes.arrival``).
 
   Raises:
     ValueError: the source holds part of the optimizer state only.

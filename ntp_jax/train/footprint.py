@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ntp_jax.parallel.cost import flops_of
+from ntp_jax.analysis.cost import flops_of
 from ntp_jax.parallel.plan import Plan, ReplicaClass
 from ntp_jax.parallel.programs import ClassProgram, abstract_class_state, class_shardings
 from ntp_jax.parallel.steps import FusedStep, SplitStep, StepSettings, default_loss

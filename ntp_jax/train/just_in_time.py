@@ -1,7 +1,7 @@
 """A just-in-time checkpoint: the survivors of a lost process write the last completed step.
 
 A process is lost (its heartbeat stopped) before a step's gradient sync
-(``resilience.arrival``): the step's update has not run, so every surviving
+(``processes.arrival``): the step's update has not run, so every surviving
 replica still holds the state after the last completed step. One survivor
 that holds a whole replica copies it off its devices (no collective) and writes it
 as a normal checkpoint (logical form,
@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from ntp_jax.resilience.arrival import ProcessLost
-from ntp_jax.resilience.heartbeat import end_process
+from ntp_jax.processes.arrival import ProcessLost
+from ntp_jax.processes.heartbeat import end_process
 from ntp_jax.sharding.blocks import from_blocks
 from ntp_jax.sharding.topology import processes_of
 from ntp_jax.state.checkpoint import Checkpoints

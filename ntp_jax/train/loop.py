@@ -19,7 +19,6 @@ import jax
 import numpy as np
 
 from ntp_jax.errors import ConfigError
-from ntp_jax.parallel.distributed import Job
 from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import Plan, micro_batch_text, reachable_failed_sets
 from ntp_jax.parallel.programs import (
@@ -32,7 +31,8 @@ from ntp_jax.parallel.programs import (
   plan_shapes,
 )
 from ntp_jax.parallel.steps import StepSettings
-from ntp_jax.resilience.arrival import ProcessLost
+from ntp_jax.processes.arrival import ProcessLost
+from ntp_jax.processes.distributed import Job
 from ntp_jax.resilience.events import DeviceFailure, Event
 from ntp_jax.resilience.goodput import GoodputClock
 from ntp_jax.state.checkpoint import CheckpointShapes

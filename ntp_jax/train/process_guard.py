@@ -2,7 +2,7 @@
 
 A plan over several processes whose every TP group lies in one process is
 *guarded*: each step waits for every process to arrive before its first
-program and before its gradient sync (``resilience.arrival``), so a lost
+program and before its gradient sync (``processes.arrival``), so a lost
 peer is met between collectives. The guard then either turns the loss into
 failure events for the run to apply (``distributed.recoverable``: the run
 goes on without the lost devices) or writes the last completed step as a
@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from ntp_jax.parallel.distributed import Job
 from ntp_jax.parallel.plan import Plan
-from ntp_jax.resilience.arrival import Arrival, ProcessLost
+from ntp_jax.processes.arrival import Arrival, ProcessLost
+from ntp_jax.processes.distributed import Job
+from ntp_jax.processes.heartbeat import LOST_EXIT_CODE, end_process
 from ntp_jax.resilience.events import Event
-from ntp_jax.resilience.heartbeat import LOST_EXIT_CODE, end_process
 from ntp_jax.sharding.topology import processes_of
 from ntp_jax.train.just_in_time import JustInTimeState, write_just_in_time
 
@@ -97,7 +97,7 @@ class ProcessGuard:
     """Wait until every live process of ``plan`` reached ``phase`` of ``step``.
 
     Raises:
-      ProcessLost: a peer was declared lost first (``resilience.arrival``).
+      ProcessLost: a peer was declared lost first (``processes.arrival``).
     """
     self.arrival.wait(step, self.plan_processes(plan) - self.lost_processes, phase)
 

@@ -24,9 +24,9 @@ from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.data.tokenizer import copy_file
 from ntp_jax.errors import ConfigError
 from ntp_jax.layers.shard import replica_view
-from ntp_jax.parallel.distributed import Job, check_domains, join, ordered_devices
 from ntp_jax.parallel.plan import Plan, make_plan
 from ntp_jax.parallel.sync import sync_traffic
+from ntp_jax.processes.distributed import Job, check_domains, join, ordered_devices
 from ntp_jax.resilience.signals import StopSignals
 from ntp_jax.sharding.topology import is_mine
 from ntp_jax.state.checkpoint import Checkpoints

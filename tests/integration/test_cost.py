@@ -12,7 +12,7 @@ import pytest
 from helpers import ROOT, SMALL, process_env
 from programs.class_flops import SEQ, job
 
-from ntp_jax.parallel.cost import class_step_flops
+from ntp_jax.analysis.cost import class_step_flops
 
 
 def test_healthy_replicas_pay_nothing_and_reduced_ones_only_their_own_need():

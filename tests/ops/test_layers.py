@@ -196,8 +196,8 @@ def test_attention_with_shared_kv_groups_on_positions(rows, seq):
 
 
 def test_shared_kv_groups_do_less_work_per_device_than_padding():
+  from ntp_jax.analysis.cost import compiled_flops
   from ntp_jax.layers.shard import tp_function
-  from ntp_jax.parallel.cost import compiled_flops
   flops = {}
   for share in (False, True):
     layout = make_layout(8, 3, share_remainder=share)
@@ -213,8 +213,8 @@ def test_a_shared_kv_group_costs_each_slot_one_degree_th_of_a_group():
   """8 KV groups on 7 slots (1 each + 1 shared) on 3 rows, which do not divide by 7: the
   shared group is split by position, so each device does 8/7 of a healthy device's work
   (a split by rows would compute 7 rows for 3)."""
+  from ntp_jax.analysis.cost import compiled_flops
   from ntp_jax.layers.shard import tp_function
-  from ntp_jax.parallel.cost import compiled_flops
   flops = {}
   for failed in ((), (3,)):
     layout = make_layout(8, 8, failed=failed, share_remainder=True)

@@ -13,9 +13,9 @@ from jax.sharding import PartitionSpec as P
 from layer_check import mesh_for
 
 from models.gpt import GPT, model_layouts
+from ntp_jax.analysis.hlo_collectives import Collective, collectives, totals
 from ntp_jax.layers import Attention, SwiGLU, rope_angles
 from ntp_jax.layers.shard import tp_function
-from ntp_jax.parallel.hlo_collectives import Collective, collectives, totals
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.steps import FusedStep, StepSettings
 from ntp_jax.sharding.layout import make_layout

@@ -18,7 +18,7 @@ from flax import nnx  # noqa: E402
 from helpers import SMALL  # noqa: E402
 
 from models.gpt import GPT, model_layouts  # noqa: E402
-from ntp_jax.parallel.cost import class_step_flops, own_shard_flops  # noqa: E402
+from ntp_jax.analysis.cost import class_step_flops, own_shard_flops  # noqa: E402
 from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import build_class_programs  # noqa: E402

@@ -4,7 +4,7 @@
 
 A lost host at a known point of the run: the step is complete everywhere (its
 sync is shared), and process 0 already waits at the next step's start, so the
-survivors meet the loss there (``resilience.arrival``). Run by
+survivors meet the loss there (``processes.arrival``). Run by
 tests/system/test_multiprocess_recovery.py.
 """
 
@@ -20,7 +20,7 @@ from absl import app  # noqa: E402
 
 import ntp_jax.train.trainer as trainer  # noqa: E402
 import train  # noqa: E402
-from ntp_jax.resilience.arrival import arrival_key  # noqa: E402
+from ntp_jax.processes.arrival import arrival_key  # noqa: E402
 from ntp_jax.train.hooks import Hook  # noqa: E402
 
 

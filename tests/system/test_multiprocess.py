@@ -19,14 +19,14 @@ from helpers import ROOT, process_env, tiny_config
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.launch import free_port
-from ntp_jax.parallel.distributed import (
+from ntp_jax.processes.distributed import (
   ENV_COORDINATOR,
   ENV_NUM_PROCESSES,
   ENV_PROCESS_ID,
   check_domains,
   settings_from_config,
 )
-from ntp_jax.resilience.heartbeat import LOST_EXIT_CODE, Heartbeat, StopAgreement
+from ntp_jax.processes.heartbeat import LOST_EXIT_CODE, Heartbeat, StopAgreement
 from ntp_jax.train.config import RunConfig
 from ntp_jax.train.metrics import read_metrics
 from ntp_jax.train.trainer import train

@@ -8,10 +8,10 @@ import pytest
 from helpers import SMALL
 
 from models.gpt import model_layouts
-from ntp_jax.parallel.distributed import Job
 from ntp_jax.parallel.plan import make_plan
-from ntp_jax.resilience.arrival import ProcessLost
-from ntp_jax.resilience.heartbeat import LOST_EXIT_CODE
+from ntp_jax.processes.arrival import ProcessLost
+from ntp_jax.processes.distributed import Job
+from ntp_jax.processes.heartbeat import LOST_EXIT_CODE
 from ntp_jax.train.process_guard import ProcessGuard, ProcessStop
 from ntp_jax.train.recovery import Recoveries
 from ntp_jax.train.run_state import RunState

@@ -12,7 +12,7 @@ compiled programs whose meshes hold some of them. This module
 - orders the job's devices so that every TP group lies inside one scale-up
   domain (``distributed.processes_per_domain`` consecutive processes; one
   host's local devices by default);
-- starts the watch on the other processes (``resilience.heartbeat``): when
+- starts the watch on the other processes (``processes.heartbeat``): when
   one dies or stops answering, every survivor stops within
   ``distributed.heartbeat_timeout_s`` with one line naming it, rather than
   hanging in a collective.
@@ -28,7 +28,7 @@ from typing import Any
 import jax
 
 from ntp_jax.errors import ConfigError
-from ntp_jax.resilience.heartbeat import Heartbeat, StopAgreement
+from ntp_jax.processes.heartbeat import Heartbeat, StopAgreement
 
 ENV_COORDINATOR = "NTP_JAX_COORDINATOR"  # set by ntp_jax.launch for each process it starts
 ENV_NUM_PROCESSES = "NTP_JAX_NUM_PROCESSES"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ntp_jax.resilience.heartbeat import Heartbeat
+from ntp_jax.processes.heartbeat import Heartbeat
 
 
 class ProcessLost(Exception):
