@@ -13,7 +13,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.dry_run = False  # print per-device memory and flops of the step (nothing allocated), stop
 
   c.model = ml_collections.ConfigDict()
-  c.model.factory = "models.gpt:model_spec"  # "module:function": config -> model_spec.ModelSpec
+  c.model.factory = "models.gpt:model_spec"  # "module:function": config -> ntp_jax.model.ModelSpec
   c.model.init_from = ""  # "" = random init; "hf:/path/to/folder" = local Hugging Face Llama folder
   c.model.vocab_size = 4096  # vocabulary (BPE trained to this size on text corpora)
   c.model.d_model = 256  # residual width

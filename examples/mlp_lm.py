@@ -25,8 +25,8 @@ from ntp_jax.layers import (
   VocabParallelEmbed,
   vocab_parallel_cross_entropy,
 )
+from ntp_jax.model import Decoding, ModelSpec
 from ntp_jax.sharding.layout import Layout, make_layout
-from ntp_jax.train.model_spec import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +70,28 @@ class MLPLanguageModel(nnx.Module):
     """f32 scalar: summed next-token cross-entropy of this device's rows."""
     return jnp.sum(vocab_parallel_cross_entropy(self(tokens), targets, self.layouts.vocab))
 
+  # Decoding (ntp_jax.model.CachedForward): the next token depends on the last one only, so
+  # there is nothing to cache.
+
+  def cache_shapes(self, batch: int, max_len: int) -> tuple:
+    """No cache: ``()``."""
+    return ()
+
+  def decode(self, tokens: jax.Array, cache: tuple, offset: jax.Array) -> tuple[jax.Array, tuple]:
+    """int32 ``[batch, new]`` -> this slot's logits ``[batch, vocab block]`` of the last token."""
+    return self(tokens[:, -1:])[:, 0], cache
+
 
 def model_spec(config) -> ModelSpec:
-  """The trainer's view of the model, from ``model.vocab_size``, ``d_model`` and ``d_ff``."""
+  """The library's view of the model, from ``model.vocab_size``, ``d_model`` and ``d_ff``:
+  it trains and decodes (``python -m ntp_jax.generate --from WORKDIR``)."""
   m, seed = config.model, config.train.seed
   d_model, d_ff, vocab = m.d_model, m.d_ff, m.vocab_size
+  make = lambda layouts: MLPLanguageModel(layouts, d_model, rngs=nnx.Rngs(seed))  # noqa: E731
   return ModelSpec(
       layouts=lambda tp, failed, weights: mlp_layouts(d_ff, vocab, tp, failed, weights),
-      make=lambda layouts: MLPLanguageModel(layouts, d_model, rngs=nnx.Rngs(seed)),
+      make=make,
       vocab_size=vocab,
       param_count=2 * vocab * d_model + 3 * d_model * d_ff + d_model,
-      name="mlp_lm")
+      name="mlp_lm",
+      decoding=Decoding(make=make, fields={"vocab_size": vocab, "d_model": d_model, "d_ff": d_ff}))

@@ -32,10 +32,12 @@ from ntp_jax.layers import (
   stack_layers,
   vocab_parallel_cross_entropy,
 )
+from ntp_jax.layers.cached_attention import cache_heads, cached_attention
 from ntp_jax.layers.shard import to_logical
+from ntp_jax.layers.stack import layer_states
+from ntp_jax.model import Decoding, ModelSpec
 from ntp_jax.sharding.layout import Layout, make_layout, units_of
 from ntp_jax.state.placement import flatten
-from ntp_jax.train.model_spec import ModelSpec
 
 # Compute and storage dtypes trained here (float16 is not: XLA's CPU dots refuse it, and it
 # would need loss scaling).
@@ -209,6 +211,53 @@ class GPT(nnx.Module):
     """f32 scalar: sum of next-token cross-entropy over this device's batch rows."""
     return jnp.sum(vocab_parallel_cross_entropy(self(tokens), targets, self.layouts.vocab))
 
+  # --- decoding with a KV cache (ntp_jax.model.CachedForward) ---------------------------------
+
+  def cache_shapes(self, batch: int, max_len: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The empty KV cache: keys (RoPE applied) and values ``[degree, n_layers, batch,
+    max_len, heads, head_dim]`` in the compute dtype, ``heads`` the KV groups of one slot's
+    block (``cached_attention.cache_heads``: own and shared). Outside ``shard_map``."""
+    shape = (self.layouts.degree, self.cfg.n_layers, batch, max_len,
+             cache_heads(self.blocks.attn), self.cfg.head_dim)
+    return (jax.ShapeDtypeStruct(shape, self.cfg.compute_dtype),) * 2
+
+  def decode(self, tokens: jax.Array, cache: tuple[jax.Array, jax.Array], offset: jax.Array
+             ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Inside ``shard_map``: the vocabulary block of the last new position, the cache updated.
+
+    The embedding, norms, SwiGLU and head are the training layers; only attention reads
+    and writes the cache (``ntp_jax.layers.cached_attention``).
+
+    Args:
+      tokens: int32 ``[batch, new]``, the tokens at positions ``offset ..``.
+      cache: this slot's ``(keys, values)``, each ``[1, n_layers, batch, max_len, heads,
+        head_dim]``.
+      offset: int32 scalar.
+
+    Returns:
+      ``(logits, cache)``: ``logits [batch, vocab block]`` of position ``offset + new - 1``
+      (this slot's vocabulary rows, zero in padding), and the cache with the new positions
+      written.
+    """
+    cfg = self.cfg
+    k_cache, v_cache = cache
+    positions = offset + jnp.arange(tokens.shape[1])[None, :]
+    cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+    x = self.embed(tokens)  # [b, s, d] replicated over the TP group
+    graphdef, per_layer = layer_states(self.blocks)
+
+    def layer(x, xs):
+      state, k, v = xs  # k, v: [b, max_len, heads, head_dim]
+      block = nnx.merge(graphdef, state)
+      attended, k, v = cached_attention(block.attn, block.attn_norm(x), cos, sin, k, v, offset)
+      x = x + attended
+      return x + block.mlp(block.mlp_norm(x)), (k, v)
+
+    x, (k_cache, v_cache) = jax.lax.scan(layer, x, (per_layer, k_cache[0], v_cache[0]))
+    x = self.final_norm(x[:, -1])  # [b, d]
+    logits = self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
+    return logits, (k_cache[None], v_cache[None])
+
 
 def count_params(cfg: GPTConfig) -> int:
   """Logical parameter count (no padding), computed from the shapes alone."""
@@ -220,14 +269,18 @@ def count_params(cfg: GPTConfig) -> int:
 
 
 def gpt_spec(cfg: GPTConfig, seed: int) -> ModelSpec:
-  """The trainer's view of a GPT of ``cfg`` whose parameters are drawn from ``seed``."""
+  """The library's view of a GPT of ``cfg`` whose parameters are drawn from ``seed``: it
+  trains, exports as a Hugging Face Llama folder and decodes (``GPT.decode``)."""
+  make = lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(seed))  # noqa: E731
   return ModelSpec(
       layouts=functools.partial(model_layouts, cfg),
-      make=lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(seed)),
+      make=make,
       vocab_size=cfg.vocab_size, param_count=count_params(cfg), n_layers=cfg.n_layers,
       unrolled=lambda n: gpt_spec(dataclasses.replace(cfg, n_layers=n, scan_layers=False), seed),
       name="gpt",
-      export_hf=lambda params, folder, **kw: hf_llama.export_hf(params, cfg, folder, **kw))
+      export_hf=lambda params, folder, **kw: hf_llama.export_hf(params, cfg, folder, **kw),
+      decoding=Decoding(make=make, fields=dataclasses.asdict(cfg),
+                        describe=lambda layouts: f"KV groups {layouts.heads.describe()}"))
 
 
 def hf_folder(model_cfg) -> str | None:
@@ -272,9 +325,14 @@ def model_spec(config) -> ModelSpec:
 
   With ``model.init_from = "hf:FOLDER"`` (see ``gpt_config``) a fresh run
   starts from the folder's weights (``initial_source``: an ``HFSource``,
-  whose tensor names and shapes are checked here from the headers), and the
+  whose tensor names and shapes are checked here from the headers), the
   text is encoded with the folder's ``tokenizer.json`` when it has one
-  (``tokenizer_file``; without one a BPE is trained as usual).
+  (``tokenizer_file``; without one a BPE is trained as usual), and
+  generation decodes up to the folder's ``max_position_embeddings``
+  (``decoding.max_len``). Generation from a folder (``python -m
+  ntp_jax.generate --from hf:FOLDER``) calls this with a config of only
+  ``model.factory``, ``model.init_from`` and its ``--config.model.*``
+  overrides, and ``train.seed``: every other ``GPTConfig`` field takes its default.
 
   Raises:
     ConfigError: a bad ``model.*`` field or ``model.init_from``, named; a
@@ -286,5 +344,7 @@ def model_spec(config) -> ModelSpec:
   if folder is None:
     return spec
   source = hf_llama.HFSource(folder, cfg)  # checks tensor names and shapes now, reads nothing
-  return dataclasses.replace(spec, initial_source=lambda: source,
-                             tokenizer_file=hf_llama.tokenizer_file(folder))
+  max_len, max_len_field = hf_llama.max_positions(folder)
+  return dataclasses.replace(
+      spec, initial_source=lambda: source, tokenizer_file=hf_llama.tokenizer_file(folder),
+      decoding=dataclasses.replace(spec.decoding, max_len=max_len, max_len_field=max_len_field))

@@ -21,7 +21,6 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 USAGE_ERROR = 2
 SETTINGS = ("mesh.tp", "ntp.failed", "ntp.slot_weights")  # besides model.<field>
@@ -79,39 +78,11 @@ def parse_overrides(extra: Sequence[str]) -> dict[str, str]:
   return out
 
 
-def _typed(name: str, text: str, kind: str) -> Any:
-  """``text`` as the ``kind`` (``int``, ``float``, ``bool``, ``str``) of field ``name``."""
-  from ntp_jax.errors import ConfigError
-  try:
-    if kind == "bool":
-      if text.lower() not in ("true", "false", "1", "0"):
-        raise ValueError
-      return text.lower() in ("true", "1")
-    return {"int": int, "float": float, "str": str}[kind](text)
-  except ValueError:
-    raise ConfigError(f"--config.{name}: expected {kind}, got {text!r}") from None
-
-
-def model_overrides(overrides: dict[str, str]) -> dict[str, Any]:
-  """The ``model.<field>`` overrides, typed as ``GPTConfig``'s fields.
-
-  Raises:
-    ConfigError: an unknown field or a value of the wrong type, naming it.
-  """
-  import dataclasses
-
-  from models.gpt import GPTConfig
-  from ntp_jax.errors import ConfigError
-  kinds = {f.name: str(f.type) for f in dataclasses.fields(GPTConfig)}
-  out = {}
-  for name, text in overrides.items():
-    if not name.startswith("model."):
-      continue
-    field = name[len("model."):]
-    if field not in kinds:
-      raise ConfigError(f"--config.{name}: no such model field ({', '.join(kinds)})")
-    out[field] = _typed(name, text, kinds[field])
-  return out
+def model_overrides(overrides: dict[str, str]) -> dict[str, str]:
+  """The ``model.<field>`` overrides as ``{field: text}``; the model's fields type them
+  (``origin.open_origin``)."""
+  return {name[len("model."):]: text for name, text in overrides.items()
+          if name.startswith("model.")}
 
 
 def _simulate_cpu_devices(count: int) -> None:
@@ -156,6 +127,7 @@ def _generate(args, overrides: dict[str, str], tp: int) -> int:
   from ntp_jax.generate.origin import open_origin, place
   from ntp_jax.generate.prompt import PromptCodec
   from ntp_jax.generate.sampling import Sampling
+  from ntp_jax.sharding.layout import live_slots
   from ntp_jax.train.config import parse_failed, parse_weights
 
   if args.max_new_tokens < 1:
@@ -185,9 +157,10 @@ def _generate(args, overrides: dict[str, str], tp: int) -> int:
   log(f"tokenizer: {origin.tokenizer}")
   start = time.perf_counter()
   model, mesh = place(origin, tp, tuple(failed), weights)
-  layouts = model.layouts
-  log(f"plan: TP degree {layouts.degree} (mesh.tp={tp}, live slots "
-      f"{','.join(map(str, layouts.heads.live_slots))}); KV groups {layouts.heads.describe()}; "
+  layouts, describe = model.layouts, origin.spec.decoding.describe
+  slots = ",".join(map(str, live_slots(tp, failed)))
+  log(f"plan: TP degree {layouts.degree} (mesh.tp={tp}, live slots {slots}); "
+      f"{describe(layouts) + '; ' if describe else ''}"
       f"placed in {time.perf_counter() - start:.2f} s")
   decoder = Decoder(model, mesh, sampling)
   out = decoder.generate(prompt[None], args.max_new_tokens, seed=args.seed,

@@ -1,18 +1,19 @@
-"""Autoregressive decoding of ``models.gpt.GPT`` on one TP group, with a KV cache.
+"""Autoregressive decoding of any model with a cached forward, on one TP group.
 
-The model is the training model: the same ``GPT`` module, its parameters in
-the padded blocks of its layouts (any TP degree, failed slots, shared KV
-groups), on a ``('dp', 'tp')`` mesh of one row. One program runs the prompt
-(prefill) and the same program, compiled for one token, runs every later
-step: the embedding, norms, SwiGLU and head are the training layers; only
-attention reads and writes the cache
-(``ntp_jax.layers.cached_attention``). Every collective is a ``'tp'``
-all-reduce inside the ``shard_map`` body, as in training, plus one
-all-gather of the last position's vocabulary blocks to choose the token.
+The model is the training model: its module (``ntp_jax.model.Decoding.make``,
+implementing ``ntp_jax.model.CachedForward``), its parameters in the padded
+blocks of its layouts (any TP degree, failed slots, shared KV groups), on a
+``('dp', 'tp')`` mesh of one row. One program runs the prompt (prefill) and
+the same program, compiled for one token, runs every later step: the model's
+``decode`` inside ``shard_map`` (the GPT's: the training layers, attention
+over a KV cache, ``ntp_jax.layers.cached_attention``), plus one all-gather of
+the last position's vocabulary blocks to choose the token. Every collective
+is a ``'tp'`` all-reduce inside the ``shard_map`` body, as in training.
 
-The cache is two arrays ``[degree, n_layers, batch, max_len, heads,
-head_dim]`` (keys with RoPE applied, values) in the compute dtype, split on
-the slot axis: each device holds the ``heads`` KV groups of its block.
+The cache is the pytree the module's ``cache_shapes`` gives (the GPT's: keys
+and values ``[degree, n_layers, batch, max_len, heads, head_dim]`` in the
+compute dtype), every leaf split on its leading slot axis: each device holds
+its block.
 """
 
 from __future__ import annotations
@@ -28,49 +29,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.gpt import GPT
 from ntp_jax.generate.sampling import Sampling, next_token
-from ntp_jax.layers.cached_attention import cache_heads, cached_attention
-from ntp_jax.layers.rope import rope_angles
 from ntp_jax.layers.shard import spec_shardings, state_specs
-from ntp_jax.layers.stack import layer_states
+from ntp_jax.model import Cache, CachedForward
 from ntp_jax.sharding.collectives import slot_position, tp_sum
 from ntp_jax.sharding.mesh import TP
-
-
-def decode_logits(model: GPT, tokens: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                  offset: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Inside ``shard_map``: the vocabulary block of the last new position, caches updated.
-
-  Args:
-    model: the GPT (local view).
-    tokens: int32 ``[batch, new]``, the tokens at positions ``offset ..``.
-    k_cache, v_cache: this slot's caches ``[1, n_layers, batch, max_len,
-      heads, head_dim]``.
-    offset: int32 scalar.
-
-  Returns:
-    ``(logits, k_cache, v_cache)``: ``logits [batch, vocab block]`` of position
-    ``offset + new - 1`` (this slot's vocabulary rows, zero in padding), and
-    the caches with the new positions written.
-  """
-  cfg = model.cfg
-  positions = offset + jnp.arange(tokens.shape[1])[None, :]
-  cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
-  x = model.embed(tokens)  # [b, s, d] replicated over the TP group
-  graphdef, per_layer = layer_states(model.blocks)
-
-  def layer(x, xs):
-    state, k, v = xs  # k, v: [b, max_len, heads, head_dim]
-    block = nnx.merge(graphdef, state)
-    attended, k, v = cached_attention(block.attn, block.attn_norm(x), cos, sin, k, v, offset)
-    x = x + attended
-    return x + block.mlp(block.mlp_norm(x)), (k, v)
-
-  x, (k_cache, v_cache) = jax.lax.scan(layer, x, (per_layer, k_cache[0], v_cache[0]))
-  x = model.final_norm(x[:, -1])  # [b, d]
-  logits = model.embed.attend(x) if cfg.tie_embeddings else model.head(x)
-  return logits, k_cache[None], v_cache[None]
 
 
 def gather_blocks(x: jax.Array, degree: int) -> jax.Array:
@@ -108,12 +71,13 @@ class Generation:
 
 
 class Decoder:
-  """Generates from a ``GPT`` on a one-row ``('dp', 'tp')`` mesh.
+  """Generates from a model with a cached forward on a one-row ``('dp', 'tp')`` mesh.
 
   Args:
-    model: the GPT with its parameters for ``mesh``'s layouts (the TP degree
-      of ``model.layouts`` is ``mesh.shape['tp']``); placed onto the mesh here
-      (a model already there is not copied).
+    model: the module (an ``ntp_jax.model.CachedForward``: ``layouts``, ``cache_shapes``,
+      ``decode``) with its parameters for ``mesh``'s layouts (the TP degree of
+      ``model.layouts`` is ``mesh.shape['tp']``); placed onto the mesh here (a model
+      already there is not copied).
     mesh: ``('dp', 'tp')`` with one row: the TP group's live slots.
     sampling: greedy (default) or sampled (``Sampling``).
 
@@ -122,16 +86,14 @@ class Decoder:
       model's layouts.
   """
 
-  def __init__(self, model: GPT, mesh: Mesh, sampling: Sampling = Sampling()):
+  def __init__(self, model: CachedForward, mesh: Mesh, sampling: Sampling = Sampling()):
     degree = model.layouts.degree
     if mesh.devices.shape != (1, degree):
       raise ValueError(f"Decoder: the mesh is {mesh.devices.shape}; one row of the model's "
                        f"TP degree {degree} is needed")
-    self.cfg = model.cfg
     self.mesh = mesh
     self.sampling = sampling
     self.vocab = model.layouts.vocab
-    self.heads = cache_heads(model.blocks.attn)
     self.graphdef, state = nnx.split(model)
     specs = state_specs(state)
     self.state = jax.device_put(state, spec_shardings(specs, mesh))
@@ -139,38 +101,36 @@ class Decoder:
     # Logical vocabulary order out of the gathered blocks: [degree * block] -> [vocab].
     scatter = jnp.asarray(self.vocab.scatter_index())
 
-    def body(state, tokens, k_cache, v_cache, offset, key):
-      logits, k_cache, v_cache = decode_logits(nnx.merge(self.graphdef, state), tokens,
-                                               k_cache, v_cache, offset)
+    def body(state, tokens, cache, offset, key):
+      logits, cache = nnx.merge(self.graphdef, state).decode(tokens, cache, offset)
       logits = jnp.take(gather_blocks(logits.astype(jnp.float32), degree), scatter, axis=1)
       token = next_token(logits, jax.random.fold_in(key, offset), self.sampling)
-      return token, logits, k_cache, v_cache
+      return token, logits, cache
 
-    cache = P(TP)
     self._program = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), cache, cache, P(), P()),
-                      out_specs=(P(), P(), cache, cache)),
-        donate_argnums=(2, 3))
-    self._programs: dict[tuple[int, int, int], Any] = {}
+        jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(TP), P(), P()),
+                      out_specs=(P(), P(), P(TP))),
+        donate_argnums=(2,))
+    self._programs: dict[Any, Any] = {}
 
-  def _compiled(self, batch: int, new: int, cache: jax.Array, key: jax.Array):
+  def _compiled(self, batch: int, new: int, cache: Cache, key: jax.Array):
     """The program for ``new`` tokens per row on this cache, compiled ahead once and kept
     (calling the compiled object skips the jit's tracing)."""
-    shape = (batch, new, cache.shape[3])
+    shape = (batch, new, tuple(leaf.shape for leaf in jax.tree.leaves(cache)))
     if shape not in self._programs:
       self._programs[shape] = self._program.lower(
-          self.state, jax.ShapeDtypeStruct((batch, new), jnp.int32), cache, cache,
-          jnp.int32(0), key).compile()
+          self.state, jax.ShapeDtypeStruct((batch, new), jnp.int32), cache, jnp.int32(0),
+          key).compile()
     return self._programs[shape]
 
-  def empty_cache(self, batch: int, max_len: int) -> tuple[jax.Array, jax.Array]:
-    """Zero key and value caches ``[degree, n_layers, batch, max_len, heads, head_dim]``
-    in the compute dtype, split over the slots."""
-    shape = (self.vocab.degree, self.cfg.n_layers, batch, max_len, self.heads,
-             self.cfg.head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, self.cfg.compute_dtype),
-                    out_shardings=self._cache_sharding)
-    return zeros(), zeros()
+  def empty_cache(self, batch: int, max_len: int) -> Cache:
+    """The model's cache of ``batch`` rows of up to ``max_len`` positions, zeros, every leaf
+    split over the slots on its leading axis (the GPT's: keys and values ``[degree,
+    n_layers, batch, max_len, heads, head_dim]`` in the compute dtype)."""
+    shapes = nnx.merge(self.graphdef, self.state).cache_shapes(batch, max_len)
+    return jax.tree.map(
+        lambda s: jax.jit(lambda: jnp.zeros(s.shape, s.dtype),
+                          out_shardings=self._cache_sharding)(), shapes)
 
   def generate(self, prompt: np.ndarray, max_new_tokens: int, *, seed: int = 0,
                stop_token: int | None = None, keep_logits: bool = False) -> Generation:
@@ -186,30 +146,29 @@ class Decoder:
 
     Raises:
       ValueError: an empty prompt, ``max_new_tokens < 1``, or a token id
-        outside the vocabulary.
+        outside the vocabulary (``model.layouts.vocab.size``).
     """
     prompt = np.asarray(prompt)
     if prompt.ndim != 2 or prompt.shape[1] < 1:
       raise ValueError(f"generate: the prompt must be [batch, length >= 1], got {prompt.shape}")
     if max_new_tokens < 1:
       raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-    if prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size:
-      raise ValueError(f"generate: token ids must lie in [0, {self.cfg.vocab_size}), got "
+    if prompt.min() < 0 or prompt.max() >= self.vocab.size:
+      raise ValueError(f"generate: token ids must lie in [0, {self.vocab.size}), got "
                        f"{prompt.min()}..{prompt.max()}")
     batch, length = prompt.shape
-    k_cache, v_cache = self.empty_cache(batch, length + max_new_tokens)
+    cache = self.empty_cache(batch, length + max_new_tokens)
     key = jax.random.key(seed)
     feed = jnp.asarray(prompt, jnp.int32)
     start = time.perf_counter()
-    prefill, step_program = (self._compiled(batch, n, k_cache, key) for n in (length, 1))
+    prefill, step_program = (self._compiled(batch, n, cache, key) for n in (length, 1))
     compile_s = time.perf_counter() - start
     tokens, logits = [], []
     done = np.zeros(batch, bool)
     offset, prefill_s, start = 0, 0.0, time.perf_counter()
     for step in range(max_new_tokens):
       program = prefill if step == 0 else step_program
-      token, step_logits, k_cache, v_cache = program(self.state, feed, k_cache, v_cache,
-                                                     jnp.int32(offset), key)
+      token, step_logits, cache = program(self.state, feed, cache, jnp.int32(offset), key)
       token = np.asarray(token)
       if stop_token is not None:
         token = np.where(done, stop_token, token)

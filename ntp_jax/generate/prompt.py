@@ -36,9 +36,9 @@ class PromptCodec:
       self.tokenizer.encode_special_tokens = True
     vocab = self.tokenizer.get_vocab(with_added_tokens=True)
     size = max(vocab.values(), default=-1) + 1
-    if size > origin.cfg.vocab_size:
+    if size > origin.spec.vocab_size:
       raise ConfigError(f"{path}: token ids up to {size - 1}, but the model's vocabulary "
-                        f"(model.vocab_size) is {origin.cfg.vocab_size}")
+                        f"(model.vocab_size) is {origin.spec.vocab_size}")
     self.stop_token = next((vocab[t] for t in END_OF_TEXT_TOKENS if t in vocab), None)
 
   def encode(self, text: str) -> np.ndarray:

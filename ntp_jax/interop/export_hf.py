@@ -1,6 +1,6 @@
 """``python -m ntp_jax.interop.export_hf --checkpoint DIR [--step N] --out FOLDER``.
 
-Writes one step of a run's checkpoints (``ntp_jax.state.checkpoint.Checkpoints``:
+Writes one step of a run's checkpoints (read with ``ntp_jax.train.stored_run``:
 the ``meta`` item holds the run's config, the ``state`` item the logical
 parameters) as a Hugging Face folder (the model's ``ModelSpec.export_hf``; for the GPT,
 ``ntp_jax.interop.hf_llama.export_hf``):
@@ -20,34 +20,34 @@ import os
 import sys
 from collections.abc import Sequence
 
-import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
 from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.errors import ConfigError
 from ntp_jax.interop.hf_tokenizer import write_hf_tokenizer
-from ntp_jax.state.checkpoint import STATE, CheckpointError, Checkpoints
+from ntp_jax.state.checkpoint import STATE, CheckpointError
 from ntp_jax.state.placement import Path, nest
-from ntp_jax.train.model_spec import load_model_spec
+from ntp_jax.train.stored_run import StoredRun, open_stored_run
 
 
-def read_params_on_host(checkpoints: Checkpoints, step: int) -> dict[Path, np.ndarray]:
-  """``path -> numpy array`` of every ``params`` leaf of ``step`` (paths keep ``params``).
+def read_params_on_host(run: StoredRun) -> dict[Path, np.ndarray]:
+  """``path -> numpy array`` of every ``params`` leaf of the stored step (paths keep
+  ``params``), each of its stored shape and dtype (``run.param_shapes``).
 
   Raises:
-    CheckpointError: unreadable metadata or data, naming the folder.
+    CheckpointError: unreadable data, naming the step folder.
   """
-  shapes = {p: s for p, s in checkpoints.shapes(step).items() if p[0] == "params"}
+  shapes = run.param_shapes
   item = nest({p: np.zeros((0,), np.float32) for p in shapes})
   restore_args = nest({p: ocp.RestoreArgs(restore_type=np.ndarray) for p in shapes})
-  where = os.path.join(checkpoints.step_dir(step), STATE)
+  where = os.path.join(run.step_dir, STATE)
   try:
     with ocp.PyTreeCheckpointer() as reader:
       restored = reader.restore(where, args=ocp.args.PyTreeRestore(
           item=item, restore_args=restore_args, partial_restore=True))
   except Exception as err:  # orbax wraps OS and tensorstore errors in several types
-    raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: cannot read its "
+    raise CheckpointError(f"checkpoint {run.step_dir}: cannot read its "
                           f"parameters ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
                           ) from None
   out = {}
@@ -57,7 +57,7 @@ def read_params_on_host(checkpoints: Checkpoints, step: int) -> dict[Path, np.nd
       value = value[key]
     out[path] = np.asarray(value)
     if out[path].shape != shape:
-      raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: {'/'.join(path)} read "
+      raise CheckpointError(f"checkpoint {run.step_dir}: {'/'.join(path)} read "
                             f"as {out[path].shape}, stored as {shape}")
   return out
 
@@ -66,9 +66,11 @@ def export_checkpoint(directory: str, out: str, step: int | None = None, *,
                       log=lambda line: print(f"export_hf: {line}", file=sys.stderr)) -> int:
   """Write step ``step`` (default: the newest complete one) of ``directory`` to ``out``.
 
-  The run's tokenizer goes with the weights (``directory/tokenizer.json``, the
-  trainer's copy); a run without one (``.bin`` tokens, or older than that
-  copy) gets one warning line through ``log`` and a folder without a tokenizer.
+  ``directory`` is a run's checkpoints folder (or its workdir, or one step
+  folder: ``ntp_jax.train.stored_run.open_stored_run``). The run's tokenizer
+  goes with the weights (``directory/tokenizer.json``, the trainer's copy); a
+  run without one (``.bin`` tokens, or older than that copy) gets one warning
+  line through ``log`` and a folder without a tokenizer.
 
   Returns:
     The step written.
@@ -78,47 +80,23 @@ def export_checkpoint(directory: str, out: str, step: int | None = None, *,
       no complete checkpoint, no such step), or the checkpoint's config
       field or parameter that does not fit the model (a run trained from
       ``model.init_from="hf:FOLDER"`` reads that folder's ``config.json``
-      again for its shape).
+      again for its shape), or a model without a Hugging Face export.
   """
-  if not os.path.isdir(directory):
-    raise ConfigError(f"--checkpoint: no folder {directory}")
-  checkpoints = Checkpoints(directory, asynchronous=False, field="--checkpoint")
-  try:
-    if step is None:
-      step = checkpoints.latest_step()
-      if step is None:
-        raise ConfigError(f"--checkpoint: {directory} holds no complete checkpoint")
-    else:
-      checkpoints.check_complete(step)
-    config = checkpoints.meta(step).get("config", {})
-    if "model" not in config:
-      raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its metadata holds no "
-                            "model config")
-    factory = config["model"].get("factory")
-    if not factory:
-      raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its config names no "
-                            "model.factory")
-    try:  # the model its config names; init_from="hf:FOLDER" reads that folder's shape again
-      model = load_model_spec(factory, ml_collections.ConfigDict(config))
-    except ConfigError as err:
-      raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its config: "
-                            f"{err}") from None
-    if model.export_hf is None:
-      raise CheckpointError(f"checkpoint {checkpoints.step_dir(step)}: its model "
-                            f"({factory}) has no Hugging Face export")
-    params = read_params_on_host(checkpoints, step)
-  finally:
-    checkpoints.close()
-  seq_len = config.get("train", {}).get("seq_len")
+  run = open_stored_run(directory, step, field="--checkpoint")
+  model = run.model_spec()  # the model its config names
+  if model.export_hf is None:
+    raise CheckpointError(f"checkpoint {run.step_dir}: its model ({run.factory}) has no "
+                          "Hugging Face export")
+  params = read_params_on_host(run)
+  seq_len = run.seq_len  # None in a config without it: no max_position_embeddings
   model.export_hf(params, out, max_position_embeddings=seq_len)
-  tokenizer = os.path.join(directory, TOKENIZER_FILE)
-  if os.path.isfile(tokenizer):
-    eot_id = write_hf_tokenizer(tokenizer, out, model_max_length=seq_len)
+  if run.tokenizer_file is not None:
+    eot_id = write_hf_tokenizer(run.tokenizer_file, out, model_max_length=seq_len)
     _set_token_ids(os.path.join(out, "config.json"), eot_id)
   else:
-    log(f"warning: --checkpoint: {directory} holds no {TOKENIZER_FILE} (a run on .bin tokens, "
-        f"or one older than that copy): {out} has no tokenizer")
-  return step
+    log(f"warning: --checkpoint: {run.directory} holds no {TOKENIZER_FILE} (a run on .bin "
+        f"tokens, or one older than that copy): {out} has no tokenizer")
+  return run.step
 
 
 def _set_token_ids(config_json: str, eot_id: int) -> None:
@@ -138,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m ntp_jax.interop.export_hf",
       description="Write a checkpoint's parameters as a Hugging Face Llama folder.")
-  parser.add_argument("--checkpoint", required=True, help="the run's checkpoint folder")
+  parser.add_argument("--checkpoint", required=True,
+                      help="the run's checkpoints folder (or its workdir, or one step folder)")
   parser.add_argument("--step", type=int, default=None,
                       help="step to export (default: the newest complete one)")
   parser.add_argument("--out", required=True,

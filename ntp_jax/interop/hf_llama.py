@@ -56,6 +56,7 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TOKENIZER = "tokenizer.json"
 MODEL_TYPES = ("llama",)  # accepted ``model_type`` values
+DEFAULT_MAX_POSITIONS = 2048  # LlamaConfig's max_position_embeddings when config.json has none
 _FILE_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors dtypes read (cast on reading)
 _IGNORED = (".rotary_emb.inv_freq",)  # buffers some older checkpoints hold; recomputed here
 
@@ -193,6 +194,22 @@ def read_hf_config(folder: str) -> dict[str, Any]:
               d_ff=raw["intermediate_size"], rope_theta=float(theta),
               norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
               tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
+
+
+def max_positions(folder: str) -> tuple[int, str]:
+  """``(max_position_embeddings, where it comes from)`` of the folder's ``config.json``:
+  the longest sequence its weights are meant for (``DEFAULT_MAX_POSITIONS`` when absent, as
+  in ``LlamaConfig``).
+
+  Raises:
+    ConfigError: naming the file: missing, unreadable, or the value not a whole number >= 1.
+  """
+  path = os.path.join(folder, CONFIG)
+  value = _load_json(path).get("max_position_embeddings") or DEFAULT_MAX_POSITIONS
+  if (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1
+      or int(value) != value):
+    raise ConfigError(f"{path}: max_position_embeddings {value!r} is not a whole number >= 1")
+  return int(value), f"{path}: max_position_embeddings"
 
 
 def tokenizer_file(folder: str) -> str | None:

@@ -154,7 +154,7 @@ def make_loss_and_grad(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
     mesh: the class mesh.
     global_tokens: predicted tokens in the whole step, over every class.
     loss: ``(module, tokens, targets) -> f32`` sum over the local rows
-      (``model_spec.ModelSpec.loss``; default ``module.loss_sum``).
+      (``ntp_jax.model.ModelSpec.loss``; default ``module.loss_sum``).
     microbatches: micro-batches each replica's rows run as, their gradients
       summed (``parallel.accumulate``); scan_microbatches: under ``lax.scan``
       (False: unrolled, for cost analysis).

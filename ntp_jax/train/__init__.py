@@ -3,7 +3,8 @@
 - ``config``: ``RunConfig``, every field typed and checked once; ``cli``: the command line.
 - ``trainer``: ``train()``, set-up and the end of a run; ``loop``: ``TrainingRun``, steps,
   failures, repairs and recovery; ``hooks``: what runs around every step.
-- ``model_spec``: what a model gives the trainer (``ModelSpec``); ``optim``: the optimizer.
+- ``optim``: the optimizer (a model reaches the trainer as an ``ntp_jax.model.ModelSpec``).
+- ``stored_run``: ``StoredRun``, one reader of a checkpoint step's metadata and config.
 - ``resume``, ``just_in_time``: restarts from checkpoints; ``precompile``, ``compilation``:
   programs compiled ahead and the persistent compilation cache.
 - ``metrics``, ``report``, ``run_plot``: records, tables and the whole-run plot;

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from ntp_jax.errors import ConfigError
+from ntp_jax.model import ModelSpec
 from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import Plan, micro_batch_text, reachable_failed_sets
 from ntp_jax.parallel.programs import (
@@ -43,7 +44,6 @@ from ntp_jax.state.spanning import processes_without_pieces
 from ntp_jax.train.compilation import compile_seconds
 from ntp_jax.train.config import RunConfig
 from ntp_jax.train.hooks import Hook, RunServices, StepInfo
-from ntp_jax.train.model_spec import ModelSpec
 from ntp_jax.train.precompile import PlanJob, Precompiler
 from ntp_jax.train.process_guard import ProcessGuard
 from ntp_jax.train.recovery import Recoveries

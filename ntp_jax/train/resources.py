@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ntp_jax.errors import ConfigError
+from ntp_jax.model import ModelSpec
 from ntp_jax.parallel.plan import Plan
 from ntp_jax.train.config import RunConfig
 from ntp_jax.train.footprint import (
@@ -24,7 +25,6 @@ from ntp_jax.train.footprint import (
   resident_fraction,
   shortfall,
 )
-from ntp_jax.train.model_spec import ModelSpec
 
 
 class ResourceError(ConfigError):

@@ -15,9 +15,10 @@ from typing import Any
 from ntp_jax.errors import ConfigError
 from ntp_jax.parallel.plan import Plan
 from ntp_jax.resilience.events import Event
-from ntp_jax.state.checkpoint import Checkpoints
+from ntp_jax.state.checkpoint import CheckpointError, Checkpoints
 from ntp_jax.state.placement import LogicalSource
 from ntp_jax.train.config import RunConfig
+from ntp_jax.train.stored_run import StoredRun, read_stored_run
 
 # Fields that decide which sequences a data cursor means: another value changes the order.
 DATA_ORDER_FIELDS = (("train", "seed"), ("data", "path"), ("data", "max_corpus_bytes"),
@@ -62,12 +63,16 @@ def resume_point(config: RunConfig, checkpoints: Checkpoints | None, plan: Plan,
   latest = checkpoints.latest_step()
   if latest is None:
     return fresh
-  meta = checkpoints.meta(latest)
-  check_same_data(config, meta, checkpoints.step_dir(latest), log)
-  check_same_schedule(config, meta, checkpoints.step_dir(latest), log)
-  log(f"resuming from step {latest} of {checkpoints.step_dir(latest)}")
-  log(f"  written under: {describe_written_plan(meta['plan'])}")
-  cursor, source = int(meta["data_cursor"]), checkpoints.source(latest)
+  stored = read_stored_run(checkpoints, latest, param_shapes=False)
+  check_same_data(config, stored, log)
+  check_same_schedule(config, stored, log)
+  if stored.plan is None or stored.data_cursor is None:
+    missing = "plan" if stored.plan is None else "data_cursor"
+    raise CheckpointError(f"checkpoint {stored.step_dir}: its metadata has no {missing}, so "
+                          "the run cannot resume from it; set checkpoint.resume=False")
+  log(f"resuming from step {latest} of {stored.step_dir}")
+  log(f"  written under: {describe_written_plan(stored.plan)}")
+  cursor, source = stored.data_cursor, checkpoints.source(latest)
   if latest >= config.train.steps:
     log(f"step {latest} already reached train.steps={config.train.steps}; nothing to do")
     return dataclasses.replace(fresh, step=latest, cursor=cursor, done=True)
@@ -91,21 +96,21 @@ def check_resumable(config: RunConfig, checkpoints: Checkpoints | None) -> None:
     return
   latest = checkpoints.latest_step()
   if latest is not None:
-    check_seq_len(config, checkpoints.meta(latest), checkpoints.step_dir(latest))
+    check_seq_len(config, read_stored_run(checkpoints, latest, param_shapes=False))
 
 
-def check_seq_len(config: RunConfig, meta: dict[str, Any], where: str) -> None:
-  """Raises ConfigError naming ``train.seq_len`` when the checkpoint's differs."""
-  written = meta.get("config", {})  # JSON as stored: older checkpoints may lack a field
-  old = written.get("train", {}).get("seq_len")
+def check_seq_len(config: RunConfig, stored: StoredRun) -> None:
+  """Raises ConfigError naming ``train.seq_len`` when the checkpoint's differs (one without
+  it is not checked)."""
+  old = stored.seq_len
   if old is not None and old != config.train.seq_len:
-    raise ConfigError(f"train.seq_len: the checkpoint {where} was written with train.seq_len="
-                      f"{old}; its data position counts sequences of that length (now "
-                      f"{config.train.seq_len}); resume with {old} or set "
+    raise ConfigError(f"train.seq_len: the checkpoint {stored.step_dir} was written with "
+                      f"train.seq_len={old}; its data position counts sequences of that "
+                      f"length (now {config.train.seq_len}); resume with {old} or set "
                       "checkpoint.resume=False")
 
 
-def check_same_data(config: RunConfig, meta: dict[str, Any], where: str, log) -> None:
+def check_same_data(config: RunConfig, stored: StoredRun, log) -> None:
   """The checkpoint's data position must mean the same sequences in this run.
 
   Raises:
@@ -113,30 +118,28 @@ def check_same_data(config: RunConfig, meta: dict[str, Any], where: str, log) ->
       (the cursor counts sequences of that length). Another seed, data path,
       byte budget or vocabulary gets a one-line warning: the order changes.
   """
-  check_seq_len(config, meta, where)
-  written = meta.get("config", {})  # JSON as stored: older checkpoints may lack a field
+  check_seq_len(config, stored)
   now = {(s, f): getattr(getattr(config, s), f) for s, f in DATA_ORDER_FIELDS}
   if "vocab_size" in config.source.model:  # the model factory's field, as configured
     now[("model", "vocab_size")] = config.source.model["vocab_size"]
   for (section, field), value in now.items():
-    before = written.get(section, {}).get(field)
+    before = stored.written(f"{section}.{field}")  # None: an older checkpoint lacks it
     if before is not None and before != value:
-      log(f"warning: {section}.{field} was {before!r} when {where} was written, now "
+      log(f"warning: {section}.{field} was {before!r} when {stored.step_dir} was written, now "
           f"{value!r}: the data order differs from the first run")
 
 
-def check_same_schedule(config: RunConfig, meta: dict[str, Any], where: str, log) -> None:
+def check_same_schedule(config: RunConfig, stored: StoredRun, log) -> None:
   """One line when the learning-rate schedule differs from the checkpoint's: its length
-  (``train.schedule_steps``, ``train.steps`` in checkpoints that predate it), warmup, peak or
-  floor. The run goes on, on this run's schedule from the resumed step."""
-  written = meta.get("config", {}).get("train", {})
-  before = {"schedule_steps": written.get("schedule_steps", written.get("steps")),
-            **{k: written.get(k) for k in ("warmup_steps", "lr", "min_lr_ratio")}}
+  (``StoredRun.schedule_steps``), warmup, peak or floor. The run goes on, on this run's
+  schedule from the resumed step."""
+  before = {"schedule_steps": stored.schedule_steps,
+            **{k: stored.written(f"train.{k}") for k in ("warmup_steps", "lr", "min_lr_ratio")}}
   changed = [f"train.{k}={before[k]!r} -> {getattr(config.train, k)!r}" for k in before
              if before[k] is not None and before[k] != getattr(config.train, k)]
   if changed:
-    log(f"warning: the learning-rate schedule differs from the one {where} was written with "
-        f"({', '.join(changed)}): the rate follows this run's curve from here; set "
+    log(f"warning: the learning-rate schedule differs from the one {stored.step_dir} was "
+        f"written with ({', '.join(changed)}): the rate follows this run's curve from here; set "
         f"train.schedule_steps to the final step count to train in parts on one curve")
 
 

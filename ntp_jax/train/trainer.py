@@ -24,6 +24,7 @@ from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.data.tokenizer import copy_file
 from ntp_jax.errors import ConfigError
 from ntp_jax.layers.shard import replica_view
+from ntp_jax.model import ModelSpec, load_model_spec
 from ntp_jax.parallel.plan import Plan, make_plan
 from ntp_jax.parallel.sync import sync_traffic
 from ntp_jax.processes.distributed import Job, check_domains, join, ordered_devices
@@ -47,7 +48,6 @@ from ntp_jax.train.hooks import (
 )
 from ntp_jax.train.loop import TrainingRun
 from ntp_jax.train.metrics import MetricsWriter, TensorBoardWriter
-from ntp_jax.train.model_spec import ModelSpec, load_model_spec
 from ntp_jax.train.optim import make_optimizer
 from ntp_jax.train.process_guard import ProcessStop, end_after_grace
 from ntp_jax.train.report import parameter_table
@@ -142,7 +142,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
     config: an ``ml_collections.ConfigDict`` (``configs/*.py``), checked here
       once, or a ``RunConfig`` already checked.
     model: the ``ModelSpec``; default the one ``model.factory`` names (the
-      GPT of ``models.gpt``); see ``ntp_jax.train.model_spec``. A run with
+      GPT of ``models.gpt``); see ``ntp_jax.model.spec``. A run with
       no checkpoint to resume starts from ``model.initial_source`` when set
       (``model.init_from="hf:FOLDER"``: a Hugging Face folder's weights),
       and the text is encoded with ``model.tokenizer_file`` when set.

@@ -14,9 +14,9 @@ from ml_collections import config_flags
 
 from models.gpt import GPTConfig
 from ntp_jax.errors import ConfigError
+from ntp_jax.model import load_model_spec
 from ntp_jax.train.cli import config_path, parse_command_line
 from ntp_jax.train.config import RunConfig
-from ntp_jax.train.model_spec import load_model_spec
 
 TINY = os.path.join(ROOT, "configs", "gpt_tiny.py")
 

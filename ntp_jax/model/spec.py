@@ -1,6 +1,6 @@
-"""What the trainer needs of a model: its layouts, a factory, a loss, and a few sizes.
+"""What the library needs of a model: its layouts, a factory, a loss, and a few sizes.
 
-The trainer does not know any model. ``model.factory`` in the config names a
+The library does not know any model. ``model.factory`` in the config names a
 function ``"package.module:function"`` that takes the whole config and
 returns a ``ModelSpec``; ``models.gpt:model_spec`` is the Llama-style GPT.
 A model of your own is any Flax NNX module built from ``ntp_jax.layers``
@@ -18,6 +18,7 @@ import jax
 from flax import nnx
 
 from ntp_jax.errors import ConfigError
+from ntp_jax.model.decoding import Decoding
 from ntp_jax.parallel.steps import default_loss
 from ntp_jax.state.placement import LogicalSource
 
@@ -26,7 +27,7 @@ Layouts = Any  # a model's layouts of one TP group; must be hashable and have ``
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """A model as the trainer uses it.
+  """A model as the trainer, generation and the export use it.
 
   Attributes:
     layouts: ``(tp, failed_slots, slot_weights) -> layouts`` of one TP group
@@ -57,6 +58,9 @@ class ModelSpec:
     export_hf: ``(logical_params, folder, *, max_position_embeddings) -> None``
       writes the model's logical parameters as a Hugging Face folder
       (``python -m ntp_jax.interop.export_hf``), or None: no such format.
+    decoding: how the model decodes with a cache (``ntp_jax.model.decoding.Decoding``:
+      ``python -m ntp_jax.generate``), or None: it cannot (generation refuses it
+      in one line).
   """
 
   layouts: Callable[[int, Sequence[int], Sequence[float] | None], Layouts]
@@ -70,6 +74,7 @@ class ModelSpec:
   initial_source: Callable[[], LogicalSource] | None = None
   tokenizer_file: str | None = None
   export_hf: Callable[..., None] | None = None
+  decoding: Decoding | None = None
 
 
 def load_model_spec(factory: str, config: Any) -> ModelSpec:
