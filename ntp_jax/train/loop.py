@@ -36,7 +36,7 @@ from ntp_jax.processes.arrival import ProcessLost
 from ntp_jax.processes.distributed import Job
 from ntp_jax.resilience.events import DeviceFailure, Event
 from ntp_jax.resilience.goodput import GoodputClock
-from ntp_jax.state.checkpoint import CheckpointShapes
+from ntp_jax.state.checkpoint import CheckpointError, CheckpointShapes
 from ntp_jax.state.peer import PeerSource, poison
 from ntp_jax.state.placement import LogicalSource
 from ntp_jax.state.sources import InitSource
@@ -48,6 +48,7 @@ from ntp_jax.train.precompile import PlanJob, Precompiler
 from ntp_jax.train.process_guard import ProcessGuard
 from ntp_jax.train.recovery import Recoveries
 from ntp_jax.train.run_state import RunState
+from ntp_jax.train.stored_run import read_stored_run
 
 
 class DatasetRows:
@@ -337,8 +338,11 @@ class TrainingRun:
       state.rewind(0, 0)
       source = None
     else:
-      meta = self.checkpoints.meta(latest)
-      state.rewind(latest, int(meta["data_cursor"]))
+      stored = read_stored_run(self.checkpoints, latest, param_shapes=False)
+      if stored.data_cursor is None:  # this run wrote it: its own checkpoints carry one
+        raise CheckpointError(f"checkpoint {stored.step_dir}: its metadata has no "
+                              "data_cursor, so the run cannot restart from it")
+      state.rewind(latest, stored.data_cursor)
       source = self.checkpoints.source(latest)
     where = self.checkpoints.step_dir(latest) if latest is not None else "initialisation"
     self.log(f"  restoring step {state.step} from {where} onto the new plan")
