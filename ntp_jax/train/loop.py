@@ -23,12 +23,12 @@ from ntp_jax.parallel.distributed import Job
 from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import Plan, micro_batch_text, reachable_failed_sets
 from ntp_jax.parallel.programs import (
+  PlanPrograms,
   ProgramCache,
   build_class_programs,
   class_label,
   live_rows,
   logical_state,
-  lower_plan,
   plan_shapes,
 )
 from ntp_jax.parallel.steps import StepSettings, default_loss
@@ -240,20 +240,21 @@ class TrainingRun:
                          for pair in sorted(failed ^ self.failed))
       label = f"{change} -> TP degrees {[r.degree for r in plan.replicas]}"
       jobs.append(PlanJob(failed, label, functools.partial(
-          self._lower_plan, plan, self.programs, dead), origin=self.failed))
+          self._programs_ahead, plan, self.programs, dead), origin=self.failed))
     self.precompiler.schedule(jobs)
 
-  def _lower_plan(self, plan: Plan, programs: list, dead: set) -> list:
+  def _programs_ahead(self, plan: Plan, programs: list, dead: set) -> list:
     """The programs a move from ``programs`` onto ``plan`` and its first step run, lowered."""
     if jax.process_count() > 1:  # the moves across processes are made by the recovery
       source = None
     elif self.config.ntp.recovery == "live":
-      source = PeerSource(programs, dead, min_degree=plan.t_min)
+      source = PeerSource(programs, dead, min_degree=plan.t_min, cache=self.cache)
     else:  # the restart path restores a checkpoint, whichever step it holds
       source = CheckpointShapes()
-    return lower_plan(plan, self.make_model, self.optimizer, self.config.train.clip_norm,
-                      self.config.train.seq_len, self.devices, cache=self.cache, source=source,
-                      loss=self.loss, skip=self.cache.compiled_keys(), split=self.guarded(plan))
+    return PlanPrograms(plan, self.make_model, self.optimizer, self.config.train.clip_norm,
+                        self.global_tokens(plan), self.devices, cache=self.cache, loss=self.loss,
+                        split=self.guarded(plan)).lower(self.config.train.seq_len, source,
+                                                        skip=self.cache.compiled_keys())
 
   def fresh_source(self, plan: Plan) -> LogicalSource:
     """The state a run without a checkpoint starts from: ``initial_source`` (logged) or init."""
@@ -279,7 +280,7 @@ class TrainingRun:
     meta = {"data_cursor": self.cursor, "plan": self.plan.summary(),
             "config": self.config.to_json_dict()}
     start = time.perf_counter()  # the hold: the move to the even layout and the copy off
-    self.checkpoints.save(self.step, logical_state(self.programs), meta)
+    self.checkpoints.save(self.step, logical_state(self.programs, self.cache), meta)
     held = time.perf_counter() - start
     self.clock.add("checkpoint_save", held)
     self.saved_step = self.step
@@ -329,7 +330,7 @@ class TrainingRun:
       self.log(f"  moving the state from DP peers onto the new plan{state}")
       poison(self.programs, dead)
       source = PeerSource(self.programs, dead | self.lost_devices, min_degree=plan.t_min,
-                          devices=self.devices)
+                          devices=self.devices, cache=self.cache)
       try:
         self.build(plan, source)
       except LookupError as err:
