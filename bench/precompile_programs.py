@@ -6,7 +6,7 @@
 For each DP size, the healthy job (``--tp`` slots per replica, no failed
 slot) is built, and every plan one more failure of any device gives is
 lowered and compiled as the trainer's compile ahead does it
-(``programs.lower_plan`` with a ``PeerSource`` over the healthy state: the
+(``programs.PlanPrograms.lower`` with a ``PeerSource`` over the healthy state: the
 state moves, each class's step halves and the cross-class sync; a class
 step met before in another plan is not lowered again). Printed per DP size:
 
@@ -57,7 +57,7 @@ from flax import nnx  # noqa: E402
 
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.parallel.plan import make_plan, reachable_failed_sets  # noqa: E402
-from ntp_jax.parallel.programs import ProgramCache, build_class_programs, lower_plan  # noqa: E402
+from ntp_jax.parallel.programs import PlanPrograms, ProgramCache, build_class_programs  # noqa: E402
 from ntp_jax.state.peer import PeerSource  # noqa: E402
 from ntp_jax.train.compilation import host_resident_bytes, set_up_cache  # noqa: E402
 from ntp_jax.train.config import RunConfig  # noqa: E402
@@ -98,9 +98,9 @@ def count(dp: int, config) -> dict:
   for failed in reachable_failed_sets(frozenset(), dp=dp, tp=tp):
     plan = plan_of(failed)
     dead = {devices[r * tp + s] for r, s in failed}
-    source = PeerSource(programs, dead, min_degree=plan.t_min)
-    made = lower_plan(plan, make_model, optimizer, run.train.clip_norm, seq, devices,
-                      cache=cache, source=source, skip=cache.compiled_keys())
+    source = PeerSource(programs, dead, min_degree=plan.t_min, cache=cache)
+    made = PlanPrograms(plan, make_model, optimizer, run.train.clip_norm, plan.global_batch * seq,
+                        devices, cache=cache).lower(seq, source, skip=cache.compiled_keys())
     plans += 1
     left = {}
     for what, key, lowered in made:

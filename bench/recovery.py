@@ -53,7 +53,6 @@ import jax  # noqa: E402
 from common import emit, load_config  # noqa: E402
 
 from models.gpt import GPTConfig, count_params  # noqa: E402
-from ntp_jax.state.placement import clear_program_caches  # noqa: E402
 from ntp_jax.train.hooks import Hook  # noqa: E402
 from ntp_jax.train.metrics import read_metrics, read_records  # noqa: E402
 from ntp_jax.train.trainer import train  # noqa: E402
@@ -80,9 +79,9 @@ class WaitForAhead(Hook):
 
 
 def fresh_caches():
-  """No stage reuses a program another stage compiled in this process."""
+  """No stage reuses a program another stage compiled in this process (each run's own
+  programs live in its ``ProgramCache``, which ends with it)."""
   jax.clear_caches()
-  clear_program_caches()
 
 
 def configure(args, workdir, **overrides):

@@ -62,9 +62,9 @@ def sum_shared_grads(grads: nnx.State) -> nnx.State:
   and the copies stay identical.
   """
   def total(v):
-    layout = getattr(v, "tp_layout", None)
-    if not isinstance(v, TPParam) or not layout.shared_units:
+    if not isinstance(v, TPParam) or not v.tp_layout.shared_units:
       return v
+    layout = v.tp_layout
     g, axis = v.get_value(), 1 + v.tp_axis
     start = layout.own_size
     own = jax.lax.slice_in_dim(g, 0, start, axis=axis)

@@ -34,8 +34,8 @@ def logical_norm(grads: nnx.State, replicas: int = 1, *, stacked: bool = False) 
   for _, v in nnx.to_flat_state(grads):
     g = v.get_value().astype(jnp.float32)
     squares = g * g
-    layout = getattr(v, "tp_layout", None)
-    if isinstance(v, TPParam) and layout.shared_units:
+    if isinstance(v, TPParam) and v.tp_layout.shared_units:
+      layout = v.tp_layout
       axis = lead + 1 + v.tp_axis
       shape = [1] * g.ndim
       shape[axis] = layout.block

@@ -10,13 +10,12 @@ back and run concurrently on their own devices.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.parallel.plan import Plan
@@ -31,11 +30,6 @@ from ntp_jax.parallel.sync import synced_loss
 from ntp_jax.sharding.topology import holds_mine
 
 
-@functools.lru_cache(maxsize=16)
-def _read_loss(mesh: Mesh) -> Callable[..., Any]:
-  return jax.jit(synced_loss, out_shardings=NamedSharding(mesh, P()))
-
-
 class JobStep:
   """One training step of the whole job over its class programs.
 
@@ -46,7 +40,8 @@ class JobStep:
 
   Args:
     plan, programs: the plan and its class programs (``programs.build_class_programs``).
-    cache: where the cross-class sync is kept.
+    cache: where the cross-class sync and the programs the step runs are kept (the run's
+      ``ProgramCache``; default: a fresh one).
     split: the programs were built split (``build_class_programs(split=True)``): the
       gradient sync runs as its own program even with one class.
     before_sync: called after the gradients and before the sync (the step's first
@@ -62,6 +57,7 @@ class JobStep:
                before_sync: Callable[[], None] | None = None):
     self.plan = plan
     self.programs = programs
+    self.cache = cache or ProgramCache()
     self.before_sync = before_sync
     self.local = [holds_mine(p.mesh) for p in programs]
     if not any(self.local):
@@ -71,7 +67,7 @@ class JobStep:
     self.sync_key = None
     if len(programs) > 1 or split:
       meshes, t_min = [p.mesh for p in programs], min(c.degree for c in plan.classes)
-      self.sync_key, self.sync = cached_sync(cache or ProgramCache(), meshes, t_min)
+      self.sync_key, self.sync = cached_sync(self.cache, meshes, t_min)
 
   @property
   def keys(self) -> list:
@@ -96,7 +92,10 @@ class JobStep:
     synced = self._synced_buffers(batch)
     jax.block_until_ready(synced)
     i = self.local.index(True)
-    return float(_read_loss(self.programs[i].mesh)(synced[i]))
+    mesh = self.programs[i].mesh
+    read_loss = self.cache.program(("read loss", mesh), lambda: jax.jit(
+        synced_loss, out_shardings=NamedSharding(mesh, P())))
+    return float(read_loss(synced[i]))
 
   def eval_loss(self, sequences: np.ndarray) -> float:
     """Mean next-token loss of ``sequences`` (int32 ``[n, seq_len + 1]``), no update.

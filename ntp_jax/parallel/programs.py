@@ -4,14 +4,14 @@ A class program runs over its own ``('dp', 'tp')`` sub-mesh and keeps one
 copy of parameters and optimizer state per replica (``shard.replica_specs``).
 Its step (``steps.FusedStep`` with one class, ``steps.SplitStep`` with
 several) is taken from a ``ProgramCache``, so a plan met again compiles
-nothing. ``job_step.JobStep`` runs one step of every class.
+nothing. ``PlanPrograms`` makes every program of a plan once, for building it
+and for compiling it ahead. ``job_step.JobStep`` runs one step of every class.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
@@ -35,9 +35,10 @@ from ntp_jax.parallel.steps import (
 )
 from ntp_jax.parallel.sync import CrossClassSync, regroup_plan
 from ntp_jax.parallel.sync_leaf import sync_leaves
+from ntp_jax.program_cache import ProgramCache
 from ntp_jax.sharding.mesh import DP, TP, class_mesh
 from ntp_jax.sharding.topology import holds_mine, is_mine, processes_of
-from ntp_jax.state.placement import LogicalSource, lower_placement, place_logical, read_logical
+from ntp_jax.state.placement import LogicalSource, Placement, read_logical
 from ntp_jax.state.sources import InitSource
 from ntp_jax.state.spanning import SpanningSource, read_logical_spanning
 
@@ -111,61 +112,6 @@ def class_shardings(tree: Any, mesh: Mesh) -> Any:
   return jax.tree.map(sharding, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State, mesh: Mesh):
-  """Optimizer state on the class mesh, in ``class_shardings`` (moments follow their
-  parameter, step counts replicated)."""
-  abstract = jax.eval_shape(optimizer.init, params)
-  return jax.jit(optimizer.init, out_shardings=class_shardings(abstract, mesh))(params)
-
-
-class ProgramCache:
-  """Steps of class programs by layout, devices and step settings, and cross-class syncs.
-
-  A plan met again (a repaired replica back at its old layout, a second
-  failure that gives a layout seen before) reuses the steps, whose
-  executables JAX keeps: it compiles nothing. ``events`` records each lookup
-  as ``(description, hit)``; ``compiled`` holds the keys whose programs
-  have been compiled (by a first call, or ahead of time), so a hit on an
-  entry made ahead but not yet compiled is told apart. Safe to use from a
-  background compiling thread and the training loop at once.
-  """
-
-  def __init__(self):
-    self._entries: dict[Any, Any] = {}
-    self._lock = threading.Lock()
-    self.events: list[tuple[str, bool]] = []
-    self.compiled: set[Hashable] = set()
-
-  def get(self, key: Hashable, what: str, make: Callable[[], Any], *,
-          record: bool = True) -> Any:
-    """The entry of ``key``, made by ``make()`` on a miss; ``record=False`` leaves
-    ``events`` alone (a lookup made ahead of time)."""
-    with self._lock:
-      hit = key in self._entries
-      if not hit:
-        self._entries[key] = make()
-      if record:
-        self.events.append((what, hit))
-      return self._entries[key]
-
-  def mark_compiled(self, keys) -> None:
-    with self._lock:
-      self.compiled.update(keys)
-
-  def compiled_keys(self) -> set[Hashable]:
-    """A copy of ``compiled``, taken under the lock (another thread may be adding)."""
-    with self._lock:
-      return set(self.compiled)
-
-  @property
-  def hits(self) -> int:
-    return sum(hit for _, hit in self.events)
-
-  @property
-  def misses(self) -> int:
-    return sum(not hit for _, hit in self.events)
-
-
 @dataclasses.dataclass(frozen=True)
 class PlanShapes:
   """A plan's class meshes and abstract state: what its programs are made from.
@@ -215,6 +161,160 @@ def plan_shapes(plan: Plan, make_model: Callable[[Any], nnx.Module],
   return PlanShapes(plan, meshes, targets, t_min, regroups)
 
 
+class PlanPrograms:
+  """Every program of a plan: each class's state placement and step, and the cross-class sync.
+
+  Made from shapes only (``plan_shapes``), through ``cache``: ``build`` places
+  the state and returns the class programs whose steps the job runs; ``lower``
+  lowers the same objects (the steps and the sync under the keys ``build`` and
+  ``job_step.JobStep`` look up, the ``placement.Placement``s of a source)
+  ahead of time, so once they are compiled, building the plan and running its
+  first step compile nothing.
+
+  Args:
+    plan: the plan. make_model: ``layouts -> module``; the same seed must give the
+      same logical parameters for every layout.
+    optimizer: the optax transformation. clip_norm: as ``train.clip_norm``.
+    global_tokens: predicted tokens in one step, over every class.
+    devices: the job's devices.
+    cache: where every program is kept (default: a fresh ``ProgramCache``).
+    loss: ``(module, tokens, targets) -> f32`` sum over a device's rows.
+    optimizer_key: names the optimizer's settings in the cache keys
+      (``steps.StepSettings``); default: the optimizer object.
+    split: the gradient and update halves even with one class (``steps.SplitStep``),
+      so that a multi-process job checks every process's arrival between them
+      (``processes.arrival``).
+
+  Raises:
+    TypeError: the optimizer is not hashable and no ``optimizer_key`` is given.
+  """
+
+  def __init__(self, plan: Plan, make_model: Callable[[Any], nnx.Module],
+               optimizer: optax.GradientTransformation, clip_norm: float, global_tokens: int,
+               devices: Sequence[jax.Device], *, cache: ProgramCache | None = None,
+               loss: Callable[..., Any] = default_loss, optimizer_key: Hashable | None = None,
+               split: bool = False):
+    self.plan, self.make_model, self.optimizer, self.split = plan, make_model, optimizer, split
+    self.settings = StepSettings(optimizer, clip_norm, global_tokens, loss, optimizer_key)
+    self.cache = cache or ProgramCache()
+    self.shapes = plan_shapes(plan, make_model, optimizer, devices, self.cache, self.settings)
+
+  def step(self, i: int, *, record: bool = True) -> tuple[Hashable, ClassStep]:
+    """``(cache key, step)`` of class ``i``, made from its abstract state in the class
+    shardings (``sharded_abstract``) on a miss; ``record=False``: a lookup made ahead."""
+    c, mesh = self.plan.classes[i], self.shapes.meshes[i]
+    graphdef, target = self.shapes.targets[i]
+    state = sharded_abstract(target, mesh)
+    return cached_step(self.cache, c, graphdef, state["params"], state["opt_state"], mesh,
+                       self.settings, classes=len(self.plan.classes) + self.split,
+                       t_min=self.shapes.t_min, regroups=self.shapes.regroups, record=record)
+
+  def placement(self, i: int, source: LogicalSource) -> Placement:
+    """Class ``i``'s state from ``source`` (``placement.Placement``, programs in the cache)."""
+    return Placement(self.shapes.targets[i][1], self.shapes.meshes[i], source, self.cache)
+
+  def _init_opt_state(self, i: int, params: Any) -> Any:
+    """Optimizer state of class ``i`` from ``optimizer.init`` in ``class_shardings``
+    (moments follow their parameter, step counts replicated)."""
+    c, mesh, (_, target) = self.plan.classes[i], self.shapes.meshes[i], self.shapes.targets[i]
+    init = self.cache.program(
+        ("optimizer init", c.layouts, len(c.replicas), self.settings.key, mesh),
+        lambda: jax.jit(self.optimizer.init,
+                        out_shardings=class_shardings(target["opt_state"], mesh)))
+    return init(params)
+
+  def build(self, source: LogicalSource | None = None) -> list[ClassProgram]:
+    """Place every class's parameters and optimizer state and take its step.
+
+    Args:
+      source: logical state to start from (``ntp_jax.state.placement``): a
+        checkpoint, a live replica, ...; default: fresh parameters of the
+        degree-1 model (``InitSource``). Optimizer state the source does not
+        hold starts from ``optimizer.init``. In a multi-process job a source that
+        does not span processes is read over them (``LogicalSource.over_processes``,
+        else ``spanning.SpanningSource``).
+
+    Returns:
+      One ``ClassProgram`` per class, in plan order (abstract state and no step for a
+      class with no device in this process).
+
+    Raises:
+      ValueError: the source holds part of the optimizer state only.
+      What the source's reads raise (``LookupError`` from live peers with no copy left,
+      ``CheckpointError``, ...).
+    """
+    plan, shapes = self.plan, self.shapes
+    if source is None:
+      source = InitSource(lambda: self.make_model(plan.logical_layouts))
+    if jax.process_count() > 1 and not source.spans_processes:
+      # One collective read for every class (see ntp_jax.state.spanning); a source that
+      # moves its own state across processes (live DP peers) says how.
+      args = (shapes.targets[0][1], shapes.meshes, shapes.t_min)
+      source = source.over_processes(*args) or SpanningSource(source, *args, cache=self.cache)
+    programs = []
+    for i, (replica_class, mesh, (graphdef, target)) in enumerate(
+        zip(plan.classes, shapes.meshes, shapes.targets)):
+      if not holds_mine(mesh):  # another process's class: its state stays abstract here
+        programs.append(ClassProgram(replica_class, mesh, graphdef, target["params"],
+                                     target["opt_state"]))
+        continue
+      state, filled = self.placement(i, source)()
+      opt_paths = {p for p in filled if p[0] == "opt_state"}
+      if not opt_paths:
+        opt_state = self._init_opt_state(i, state["params"])
+      elif len(opt_paths) == len(jax.tree.leaves(target["opt_state"])):
+        opt_state = state["opt_state"]
+      else:
+        raise ValueError(f"optimizer state: the source holds {len(opt_paths)} of "
+                         f"{len(jax.tree.leaves(target['opt_state']))} leaves")
+      key, step = self.step(i)
+      programs.append(ClassProgram(replica_class, mesh, graphdef, state["params"], opt_state,
+                                   step, key))
+    return programs
+
+  def lower(self, seq_len: int, source: LogicalSource | None = None,
+            skip: Collection[Hashable] = ()) -> list[tuple[str, Hashable, jax.stages.Lowered]]:
+    """Every program a move onto the plan and its first step run, lowered ahead of time.
+
+    Args:
+      seq_len: tokens per sequence (the batch is int32 ``[class rows, seq_len + 1]``;
+        ``global_tokens`` should be ``plan.global_batch * seq_len``).
+      source: the state moved onto the plan (one process: live DP peers, a checkpoint's
+        shapes); its placements are included (``Placement.lower``; left out when the
+        source cannot tell them). None: no state move.
+      skip: cache keys of steps and syncs compiled already (a class shared by several
+        reachable plans): left out.
+
+    Returns:
+      ``(what, cache key or None, lowered)`` per program, in the order a recovery
+      needs them: state moves first, then each class's step, then the sync. Only
+      classes with a device in this process.
+    """
+    moves, steps, blocks = [], [], []
+    for i, (replica_class, mesh, (_, target)) in enumerate(
+        zip(self.plan.classes, self.shapes.meshes, self.shapes.targets)):
+      if not holds_mine(mesh):
+        continue
+      name = class_label(replica_class)
+      if source is not None:
+        moves += [(f"state move ({name})", None, lowered)
+                  for lowered in self.placement(i, source).lower() or []]
+      key, step = self.step(i, record=False)
+      state = sharded_abstract(target, mesh)
+      batch = jax.ShapeDtypeStruct((replica_class.batch_rows, seq_len + 1), np.int32,
+                                   sharding=NamedSharding(mesh, P(DP)))
+      if key not in skip:
+        steps += [(f"class program ({name})", key, lowered)
+                  for lowered in step.lower(state["params"], state["opt_state"], batch)]
+      if isinstance(step, SplitStep):
+        blocks.append(abstract_sync_blocks(step.grad, state["params"], batch, mesh))
+    if (len(self.plan.classes) > 1 or self.split) and blocks:
+      key, sync = cached_sync(self.cache, self.shapes.meshes, self.shapes.t_min, record=False)
+      if key not in skip:
+        steps.append(("cross-class sync", key, sync.lower(blocks)))
+    return moves + steps
+
+
 def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
                          optimizer: optax.GradientTransformation, clip_norm: float,
                          global_tokens: int, devices: Sequence[jax.Device], *,
@@ -223,59 +323,16 @@ def build_class_programs(plan: Plan, make_model: Callable[[Any], nnx.Module],
                          loss: Callable[..., Any] = default_loss,
                          optimizer_key: Hashable | None = None,
                          split: bool = False) -> list[ClassProgram]:
-  """Place every class's parameters and optimizer state and make its step.
-
-  Args:
-    make_model: ``layouts -> module``; the same seed must give the same
-      logical parameters for every layout.
-    source: logical state to start from (``ntp_jax.state.placement``): a
-      checkpoint, a live replica, ...; default: fresh parameters of the
-      degree-1 model (``InitSource``). Optimizer state the source does not
-      hold starts from ``optimizer.init``.
-    cache: reuse steps made for an equal class before.
-    loss: ``(module, tokens, targets) -> f32`` sum over a device's rows.
-    optimizer_key: names the optimizer's settings in the cache key
-      (``steps.StepSettings``); default: the optimizer object.
-    split: the gradient and update halves even with one class (``steps.SplitStep``),
-      so that a multi-process job checks every process's arrival between them
-      (``processes.arrival``).
+  """Place every class's parameters and optimizer state and make its step:
+  ``PlanPrograms(...).build(source)`` (see there for the arguments).
 
   Raises:
     ValueError: the source holds part of the optimizer state only.
     TypeError: the optimizer is not hashable and no ``optimizer_key`` is given.
   """
-  settings = StepSettings(optimizer, clip_norm, global_tokens, loss, optimizer_key)
-  cache = cache or ProgramCache()
-  if source is None:
-    source = InitSource(lambda: make_model(plan.logical_layouts))
-  shapes = plan_shapes(plan, make_model, optimizer, devices, cache, settings)
-  if jax.process_count() > 1 and not getattr(source, "spans_processes", False):
-    # One collective read for every class (see ntp_jax.state.spanning); a source that
-    # moves its own state across processes (live DP peers) says how.
-    over = getattr(source, "over_processes", None)
-    args = (shapes.targets[0][1], shapes.meshes, shapes.t_min)
-    source = over(*args) if over is not None else SpanningSource(source, *args)
-  programs = []
-  for replica_class, mesh, (graphdef, target) in zip(plan.classes, shapes.meshes, shapes.targets):
-    if not holds_mine(mesh):  # another process's class: its state stays abstract here
-      programs.append(ClassProgram(replica_class, mesh, graphdef, target["params"],
-                                   target["opt_state"]))
-      continue
-    state, filled = place_logical(target, mesh, source)
-    opt_paths = {p for p in filled if p[0] == "opt_state"}
-    if not opt_paths:
-      opt_state = init_opt_state(optimizer, state["params"], mesh)
-    elif len(opt_paths) == len(jax.tree.leaves(target["opt_state"])):
-      opt_state = state["opt_state"]
-    else:
-      raise ValueError(f"optimizer state: the source holds {len(opt_paths)} of "
-                       f"{len(jax.tree.leaves(target['opt_state']))} leaves")
-    key, step = cached_step(cache, replica_class, graphdef, state["params"], opt_state, mesh,
-                            settings, classes=len(plan.classes) + split, t_min=shapes.t_min,
-                            regroups=shapes.regroups)
-    programs.append(ClassProgram(replica_class, mesh, graphdef, state["params"], opt_state, step,
-                                 key))
-  return programs
+  return PlanPrograms(plan, make_model, optimizer, clip_norm, global_tokens, devices,
+                      cache=cache, loss=loss, optimizer_key=optimizer_key,
+                      split=split).build(source)
 
 
 def sharded_abstract(target: Any, mesh: Mesh) -> Any:
@@ -283,57 +340,6 @@ def sharded_abstract(target: Any, mesh: Mesh) -> Any:
   (``class_shardings``): what the placed state will look like to ``jax.jit``."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       target, class_shardings(target, mesh))
-
-
-def lower_plan(plan: Plan, make_model: Callable[[Any], nnx.Module],
-               optimizer: optax.GradientTransformation, clip_norm: float, seq_len: int,
-               devices: Sequence[jax.Device], *, cache: ProgramCache,
-               source: LogicalSource | None = None, loss: Callable[..., Any] = default_loss,
-               optimizer_key: Hashable | None = None, skip: Collection[Hashable] = (),
-               split: bool = False) -> list[tuple[str, Hashable, jax.stages.Lowered]]:
-  """Every program a move onto ``plan`` and its first step run, lowered ahead of time.
-
-  The steps (and the cross-class sync) are made through ``cache`` under the
-  keys ``build_class_programs`` and ``job_step.JobStep`` look up, so once
-  these are compiled, building ``plan`` with ``global_tokens =
-  plan.global_batch * seq_len`` and running its first step compile nothing.
-  With a ``source``, the programs that ``place_logical`` runs to fill the
-  classes from it are included (``placement.lower_placement``; left out when
-  the source cannot tell them). Only classes with a device in this process.
-  Steps and syncs whose cache key is in ``skip`` (compiled already: a class
-  shared by several reachable plans) are left out. ``split``: as
-  ``build_class_programs``'s.
-
-  Returns:
-    ``(what, cache key or None, lowered)`` per program, in the order a
-    recovery needs them: state moves first, then each class's step, then the sync.
-  """
-  settings = StepSettings(optimizer, clip_norm, plan.global_batch * seq_len, loss, optimizer_key)
-  shapes = plan_shapes(plan, make_model, optimizer, devices, cache, settings)
-  moves, steps, blocks = [], [], []
-  for replica_class, mesh, (graphdef, target) in zip(plan.classes, shapes.meshes, shapes.targets):
-    if not holds_mine(mesh):
-      continue
-    name = class_label(replica_class)
-    if source is not None:
-      moves += [(f"state move ({name})", None, lowered)
-                for lowered in lower_placement(target, mesh, source) or []]
-    state = sharded_abstract(target, mesh)
-    key, step = cached_step(cache, replica_class, graphdef, state["params"], state["opt_state"],
-                            mesh, settings, classes=len(plan.classes) + split,
-                            t_min=shapes.t_min, regroups=shapes.regroups, record=False)
-    batch = jax.ShapeDtypeStruct((replica_class.batch_rows, seq_len + 1), np.int32,
-                                 sharding=NamedSharding(mesh, P(DP)))
-    if key not in skip:
-      steps += [(f"class program ({name})", key, lowered)
-                for lowered in step.lower(state["params"], state["opt_state"], batch)]
-    if isinstance(step, SplitStep):
-      blocks.append(abstract_sync_blocks(step.grad, state["params"], batch, mesh))
-  if (len(plan.classes) > 1 or split) and blocks:
-    key, sync = cached_sync(cache, shapes.meshes, shapes.t_min, record=False)
-    if key not in skip:
-      steps.append(("cross-class sync", key, sync.lower(blocks)))
-  return moves + steps
 
 
 def class_label(replica_class: ReplicaClass) -> str:
@@ -375,19 +381,22 @@ def cached_sync(cache: ProgramCache, meshes: Sequence[Mesh], t_min: int, *,
                         record=record)
 
 
-def logical_state(programs: list[ClassProgram]) -> dict:
+def logical_state(programs: list[ClassProgram], cache: ProgramCache | None = None) -> dict:
   """The job's state in logical form (``placement.read_logical`` of the first class).
 
   Every replica holds identical state, so one replica's copy is the job's. In
   a multi-process job the arrays span every replica (``spanning``), each
   process holding its own devices' pieces, as orbax's collective save wants.
+  ``cache``: where the programs are kept (the run's; default: a fresh one).
   """
   if jax.process_count() > 1:
     t_min = min(p.replica_class.degree for p in programs)
     return read_logical_spanning(
-        [({"params": p.params, "opt_state": p.opt_state}, p.mesh) for p in programs], t_min)
+        [({"params": p.params, "opt_state": p.opt_state}, p.mesh) for p in programs], t_min,
+        cache)
   program = programs[0]
-  return read_logical({"params": program.params, "opt_state": program.opt_state}, program.mesh)
+  return read_logical({"params": program.params, "opt_state": program.opt_state}, program.mesh,
+                      cache=cache)
 
 
 def live_rows(program: ClassProgram, processes: Collection[int]) -> ClassProgram | None:

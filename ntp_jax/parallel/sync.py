@@ -161,12 +161,16 @@ class CrossClassSync:
         lambda x: jax.lax.psum(x, REPLICA), mesh=self.mesh,
         in_specs=P(REPLICA, PEER), out_specs=P(REPLICA, PEER)))
 
+  def _stacked_shape(self, array) -> tuple[int, int, int]:
+    """The all-reduce's argument for one dtype: ``[live replicas, t_min, L]``."""
+    return (self.mesh.devices.shape[0], self.t_min, array.shape[2])
+
   def lower(self, class_blocks: list[dict[str, jax.ShapeDtypeStruct]]) -> jax.stages.Lowered:
     """The all-reduce program, lowered for the classes' abstract sync buffers
     (``steps.abstract_sync_blocks``): compiling it ahead makes the first call compile nothing."""
     return self._all_reduce.lower({
-        name: jax.ShapeDtypeStruct((self.mesh.devices.shape[0], self.t_min, array.shape[2]),
-                                   array.dtype, sharding=self.sharding)
+        name: jax.ShapeDtypeStruct(self._stacked_shape(array), array.dtype,
+                                   sharding=self.sharding)
         for name, array in class_blocks[0].items()})
 
   def __call__(self, class_buffers: list[dict | None]) -> list[dict | None]:
@@ -191,9 +195,8 @@ class CrossClassSync:
       stacked = {}
       held = mine(self.mesh)
       for name, array in first.items():
-        shape = (self.mesh.devices.shape[0], self.t_min, array.shape[2])
         stacked[name] = jax.make_array_from_single_device_arrays(
-            shape, self.sharding, [by_device[name][d] for d in held])
+            self._stacked_shape(array), self.sharding, [by_device[name][d] for d in held])
       for name, array in self._all_reduce(stacked).items():  # one program for every dtype
         reduced_by_device[name] = {s.device: s.data for s in array.addressable_shards}
     out: list[dict | None] = []

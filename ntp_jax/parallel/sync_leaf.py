@@ -241,6 +241,8 @@ def sync_leaves(params: nnx.State, degree: int, t_min: int,
   return _sync_leaves(signature, degree, t_min, tuple(sorted((regroups or {}).items())))
 
 
+# Descriptors only (layouts, regroups, shapes: a schedule worked out from the plan), no
+# jitted or compiled program: programs live in the run's ``ProgramCache``.
 @functools.lru_cache(maxsize=64)
 def _sync_leaves(signature: tuple, degree: int, t_min: int,
                  regroups: tuple[tuple[str, Regroup], ...]) -> tuple[SyncLeaf, ...]:

@@ -277,20 +277,23 @@ class CheckpointSource(BaseSource):
     self.check(requests)
     return self.checkpoints.restore(self.step, requests)
 
-  def lower_reads(self, requests: dict[Path, jax.ShapeDtypeStruct]
-                  ) -> tuple[list[jax.stages.Lowered], set[Path]]:
+  def read_programs(self, blocks: dict[Path, jax.ShapeDtypeStruct],
+                    copies: dict[Path, jax.ShapeDtypeStruct],
+                    rest: dict[Path, jax.ShapeDtypeStruct]) -> list:
     """orbax restores each request straight into its sharding: no program of ours runs."""
-    return [], set()
+    return []
 
 
 class CheckpointShapes(BaseSource):
   """Any checkpoint of this run, for lowering a restore ahead of time
-  (``placement.lower_placement``): every path, the default even split, and reads that run
-  no program of ours (as ``CheckpointSource``'s). Reading it is an error."""
+  (``placement.Placement.lower``): every path, the default even split, and reads that run
+  no program of ours (as ``CheckpointSource``'s). Reading it is an error
+  (``NotImplementedError``)."""
 
-  def lower_reads(self, requests: dict[Path, jax.ShapeDtypeStruct]
-                  ) -> tuple[list[jax.stages.Lowered], set[Path]]:
-    return [], set()
+  def read_programs(self, blocks: dict[Path, jax.ShapeDtypeStruct],
+                    copies: dict[Path, jax.ShapeDtypeStruct],
+                    rest: dict[Path, jax.ShapeDtypeStruct]) -> list:
+    return []
 
   def describe(self) -> str:
     return "a checkpoint of this run (shapes only)"

@@ -25,18 +25,18 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ntp_jax.program_cache import ProgramCache
 from ntp_jax.sharding.mesh import DP, TP
 from ntp_jax.state.peer_supply import Holder, Supply, SupplyChoice
 from ntp_jax.state.peer_transfer import CrossProcessPeers
 from ntp_jax.state.placement import (
   BaseSource,
+  EvenPieces,
   Leaf,
   Path,
   block_shape,
   copy_of_replica,
-  even_pieces_of,
   leaves_of,
-  lower_even_pieces,
   per_device,
 )
 
@@ -73,15 +73,24 @@ class PeerSource(BaseSource):
       asks for the same even split, and the old state is moved to it once.
     devices: the job's devices; in a multi-process job the live ones carry the
       moves between processes (``over_processes``).
+    cache: where the programs of the moves are kept (the run's ``ProgramCache``, so
+      that a move compiled ahead is the one run; default: a fresh one).
 
-  Raises (from ``read``):
+  Every split leaf is handed over as blocks (``read_blocks``), every unsplit one as
+  the class's own copies (``read_copies``).
+
+  Raises (from ``read_blocks``, ``read_copies``, ``read``):
     LookupError: some piece has no live copy in any replica (then the
       caller falls back to the last checkpoint).
   """
 
+  serves_blocks = True
+  serves_copies = True
+
   def __init__(self, programs: list, dead: set[jax.Device], min_degree: int | None = None,
-               devices: Sequence[jax.Device] | None = None):
+               devices: Sequence[jax.Device] | None = None, cache: ProgramCache | None = None):
     self.programs = programs
+    self.cache = cache or ProgramCache()
     self.dead = dead
     self.devices = list(devices) if devices is not None else None
     self.min_degree = min_degree
@@ -89,22 +98,29 @@ class PeerSource(BaseSource):
     self.crossed_bytes = 0  # of those, bytes that changed process
     self._leaves: dict[int, dict[Path, Leaf]] = {}
     self._node_index: dict[int, dict[Path, Any]] = {}
-    self._moved: dict[Any, Any] = {}
+    self._moves: dict[Any, EvenPieces] = {}
+    self._moved: dict[Any, dict[Path, jax.Array]] = {}
     self.choice = SupplyChoice([Holder(p.mesh.devices, self._leaves_by_path(p))
                                 for p in programs], dead)
 
-  def _pieces_of(self, program, wanted: dict[Path, int]):
-    """``placement.even_pieces_of`` of ``program``'s state, memoised: the target classes
+  def _even_pieces(self, index: int, wanted: dict[Path, int]) -> EvenPieces:
+    """The move of old class ``index``'s split leaves ``wanted`` (``path -> k``) to their
+    even pieces (``placement.EvenPieces``; none for unsplit leaves only)."""
+    key = (index, frozenset(wanted.items()))
+    if key not in self._moves:
+      program = self.programs[index]
+      self._moves[key] = EvenPieces({"params": program.params, "opt_state": program.opt_state},
+                                    program.mesh, wanted, self.cache)
+    return self._moves[key]
+
+  def _pieces_of(self, index: int, wanted: dict[Path, int]):
+    """``(move, moved)``: ``_even_pieces`` and its result, memoised: the target classes
     of the new plan ask for the same split, and the old state moves to it once."""
-    key = (id(program), frozenset(wanted.items()))
+    move = self._even_pieces(index, wanted)
+    key = (index, frozenset(wanted.items()))
     if key not in self._moved:
-      state = {"params": program.params, "opt_state": program.opt_state}
-      if wanted:
-        self._moved[key] = even_pieces_of(state, program.mesh, wanted)
-      else:  # unsplit leaves only: nothing to move
-        leaves, _, nodes = leaves_of(state)
-        self._moved[key] = (leaves, nodes, {})
-    return self._moved[key]
+      self._moved[key] = move()
+    return move, self._moved[key]
 
   def _rows_in_place(self, leaves: list[Leaf], mesh) -> list | None:
     """Per target row, the ``(old program, row)`` holding it as it is, or None when
@@ -180,7 +196,7 @@ class PeerSource(BaseSource):
     """
     devices = self.devices if self.devices is not None else jax.devices()
     live = [d for d in devices if d not in self.dead]
-    moved = CrossProcessPeers(self.programs, self.dead, live, target, meshes, t_min)
+    moved = CrossProcessPeers(self.programs, self.dead, live, target, meshes, t_min, self.cache)
     self.copied_bytes += moved.copied_bytes
     self.crossed_bytes = moved.crossed_bytes
     return moved
@@ -221,22 +237,19 @@ class PeerSource(BaseSource):
   def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
     return self._gather(requests, as_blocks=False)
 
-  def lower_reads(self, requests: dict[Path, jax.ShapeDtypeStruct]
-                  ) -> tuple[list[jax.stages.Lowered], set[Path]] | None:
-    """The programs that move the old classes' split leaves to the even layouts the
-    requests want, lowered; every request is served by ``read_blocks`` or ``read_copies``.
-    None when some piece has no live copy (the recovery will take the restart path)."""
+  def read_programs(self, blocks: dict[Path, jax.ShapeDtypeStruct],
+                    copies: dict[Path, jax.ShapeDtypeStruct],
+                    rest: dict[Path, jax.ShapeDtypeStruct]) -> list[EvenPieces] | None:
+    """The moves of the old classes' split leaves to the even pieces the requests want
+    (``placement.EvenPieces``, the ones the reads run); copies run none. None when some
+    piece has no live copy (the recovery will take the restart path)."""
+    requests = {**blocks, **copies, **rest}
     try:
       supplies, ks = self._choose(requests)
     except LookupError:
       return None
-    lowered = []
-    for index, wanted in self._wanted_by_holder(supplies, ks).items():
-      if wanted:
-        program = self.programs[index]
-        state = {"params": program.params, "opt_state": program.opt_state}
-        lowered.append(lower_even_pieces(state, program.mesh, wanted))
-    return lowered, set(requests)
+    return [self._even_pieces(index, wanted)
+            for index, wanted in self._wanted_by_holder(supplies, ks).items() if wanted]
 
   def _choose(self, requests: dict[Path, jax.ShapeDtypeStruct]
               ) -> tuple[dict[Path, Supply], dict[Path, int]]:
@@ -266,9 +279,9 @@ class PeerSource(BaseSource):
     supplies, ks = self._choose(requests)
     moved_by_holder = {}
     for index, wanted in self._wanted_by_holder(supplies, ks).items():
-      leaves, nodes, moved = self._pieces_of(self.programs[index], wanted)
-      moved_by_holder[index] = ({leaf.path: (leaf, node) for leaf, node in zip(leaves, nodes)},
-                                moved)
+      move, moved = self._pieces_of(index, wanted)
+      moved_by_holder[index] = ({leaf.path: (leaf, node)
+                                 for leaf, node in zip(move.leaves, move.nodes)}, moved)
     out = {}
     for path, request in requests.items():
       supply = supplies[path]

@@ -28,7 +28,6 @@ al., arXiv:2504.06095, Sec. 3-4; the cross-host move from DP peers is our own.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ntp_jax.program_cache import ProgramCache
 from ntp_jax.sharding.topology import holds_mine, is_mine
 from ntp_jax.state.peer_supply import piece_sources
 from ntp_jax.state.placement import (
@@ -117,13 +117,16 @@ def rounds_of(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
   return rounds
 
 
-@functools.lru_cache(maxsize=32)
-def _permute_program(mesh: Mesh, shapes: tuple[tuple[tuple[int, ...], Any], ...],
-                     perms: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]):
-  """``shard_map`` over ``mesh``'s one axis: input ``i`` is ``[devices, rounds_i, *piece_i]``;
+def permute_program(cache: ProgramCache, mesh: Mesh,
+                    shapes: tuple[tuple[tuple[int, ...], Any], ...],
+                    perms: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]):
+  """Jitted ``shard_map`` over ``mesh``'s one axis, made once per run in ``cache``: input
+  ``i`` is ``[devices, rounds_i, *piece_i]`` of ``shapes[i] = (piece_i, dtype name)``;
   round ``r`` of it is ``ppermute``d by ``perms[i][r]``."""
-  del shapes  # part of the cache key only
+  return cache.program(("peer permute", mesh, shapes, perms), lambda: _permute_body(mesh, perms))
 
+
+def _permute_body(mesh: Mesh, perms: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]):
   def body(*xs):
     out = []
     for x, rounds in zip(xs, perms):
@@ -146,6 +149,7 @@ class CrossProcessPeers(SpanningArrays):
     target: the new plan's first class's abstract state (names the logical leaves).
     meshes: the new plan's class meshes, in plan order.
     t_min: the new plan's smallest TP degree.
+    cache: where the programs are kept (default: a fresh ``ProgramCache``).
 
   Attributes:
     copied_bytes: bytes that changed device (every process, the same count).
@@ -156,10 +160,11 @@ class CrossProcessPeers(SpanningArrays):
   """
 
   def __init__(self, programs: list, dead: set, live_devices: Sequence[jax.Device],
-               target: Any, meshes: Sequence[Mesh], t_min: int):
+               target: Any, meshes: Sequence[Mesh], t_min: int,
+               cache: ProgramCache | None = None):
     old_t_min = min(p.mesh.devices.shape[1] for p in programs)
     # Every old class can cut k pieces and every new class can hold them.
-    super().__init__({}, min(t_min, old_t_min))
+    super().__init__({}, min(t_min, old_t_min), cache)
     leaves, _, _ = leaves_of(target)
     k = {leaf.path: job_pieces(leaf, self.t_min) for leaf in leaves}
     new_rows = [list(row) for mesh in meshes for row in mesh.devices]
@@ -194,8 +199,8 @@ class CrossProcessPeers(SpanningArrays):
     self.crossed_bytes = sum(piece_bytes[m.path] for m in moves
                              if m.source.process_index != m.target.process_index)
     self._moves = moves
-    have = self._held_pieces(programs, leaves, k, moves)
-    received = self._cross(moves, have, by_path, k, list(live_devices))
+    have = self._held_pieces(programs, leaves, k, moves, self.cache)
+    received = self._cross(moves, have, by_path, k, list(live_devices), self.cache)
     self._arrays = self._assemble(leaves, k, new_rows, moves, have, received)
     self._paths = set(self._arrays)
 
@@ -203,8 +208,8 @@ class CrossProcessPeers(SpanningArrays):
     return "live DP peers, across processes"
 
   @staticmethod
-  def _held_pieces(programs, leaves: list[Leaf], k: dict[Path, int], moves: list[Move]
-                   ) -> dict[tuple[Path, int, Any], jax.Array]:
+  def _held_pieces(programs, leaves: list[Leaf], k: dict[Path, int], moves: list[Move],
+                   cache: ProgramCache) -> dict[tuple[Path, int, Any], jax.Array]:
     """``(path, piece, device) -> buffer`` of every piece this process sends or keeps."""
     sources = {(m.path, m.piece, m.source) for m in moves if is_mine(m.source)}
     have: dict[tuple[Path, int, Any], jax.Array] = {}
@@ -213,7 +218,7 @@ class CrossProcessPeers(SpanningArrays):
         continue
       state = {"params": program.params, "opt_state": program.opt_state}
       split = {leaf.path: k[leaf.path] for leaf in leaves if leaf.layout is not None}
-      class_leaves, nodes, moved = even_pieces_of(state, program.mesh, split)
+      class_leaves, nodes, moved = even_pieces_of(state, program.mesh, split, cache)
       lifted = {}
       for leaf in class_leaves:
         if leaf.layout is None:
@@ -223,7 +228,7 @@ class CrossProcessPeers(SpanningArrays):
           for j in range(k[leaf.path]):
             if (leaf.path, j, row[j]) in sources:
               lifted[(leaf.path, j, row[j])] = by_device[row[j]]
-      have.update(per_device_map(drop_lead, lifted))
+      have.update(per_device_map(drop_lead, lifted, cache))
       for leaf, node in zip(class_leaves, nodes):
         if leaf.layout is not None:
           continue
@@ -235,7 +240,8 @@ class CrossProcessPeers(SpanningArrays):
 
   @staticmethod
   def _cross(moves: list[Move], have, by_path: dict[Path, Leaf], k: dict[Path, int],
-             live: list[jax.Device]) -> dict[tuple[Path, int, Any], jax.Array]:
+             live: list[jax.Device], cache: ProgramCache
+             ) -> dict[tuple[Path, int, Any], jax.Array]:
     """The moves between processes, in one program over ``live``: what this process's
     devices received, ``(path, piece, target) -> buffer``."""
     crossing = [m for m in moves if m.source.process_index != m.target.process_index]
@@ -245,6 +251,8 @@ class CrossProcessPeers(SpanningArrays):
     paths = list(dict.fromkeys(m.path for m in crossing))
     mesh = Mesh(np.array(live, dtype=object), (AXIS,))
     sharding = NamedSharding(mesh, P(AXIS))
+    stack_rounds = cache.program(("stack rounds",),
+                                 lambda: jax.jit(lambda parts: jnp.stack(parts)[None]))
     inputs, perms, shapes, schedule = [], [], [], []
     for path in paths:
       leaf = by_path[path]
@@ -262,13 +270,13 @@ class CrossProcessPeers(SpanningArrays):
           move = at.get((r, index[device]))
           parts.append(have[(path, move.piece, device)] if move is not None
                        else jax.device_put(np.zeros(piece, leaf.dtype), device))
-        blocks.append(_stack_rounds(parts))
+        blocks.append(stack_rounds(parts))  # [1, rounds, *piece] on the parts' device
       inputs.append(jax.make_array_from_single_device_arrays(
           (len(live), len(rounds)) + piece, sharding, blocks))
       perms.append(tuple(tuple(pairs) for pairs in rounds))
       shapes.append((piece, np.dtype(leaf.dtype).name))
       schedule.append((path, rounds, by_pair))
-    outputs = _permute_program(mesh, tuple(shapes), tuple(perms))(*inputs)
+    outputs = permute_program(cache, mesh, tuple(shapes), tuple(perms))(*inputs)
     received = {}
     for (path, rounds, by_pair), out in zip(schedule, outputs):
       by_device = per_device(out)
@@ -300,12 +308,3 @@ class CrossProcessPeers(SpanningArrays):
         leaf.shape, spanning_sharding(leaf, new_rows, k[leaf.path]), local[leaf.path],
         dtype=leaf.dtype) for leaf in leaves}
 
-
-@functools.lru_cache(maxsize=8)
-def _stacker():
-  return jax.jit(lambda parts: jnp.stack(parts)[None])
-
-
-def _stack_rounds(parts: list[jax.Array]) -> jax.Array:
-  """``[1, rounds, *piece]`` on the parts' device."""
-  return _stacker()(parts)

@@ -7,7 +7,10 @@ program holds it as padded per-slot blocks, one copy per replica
 import and live recovery all go the same way: the *target* is
 the class's abstract state (shapes, layouts, shardings); a *source* fills
 logical arrays laid out evenly over some of the class's devices; one program
-per class moves them into the padded blocks, device to device.
+per class moves them into the padded blocks, device to device. A
+``Placement`` decides all of it from metadata and holds the programs (from the
+caller's ``ProgramCache``): calling it runs them, its ``lower`` lowers the
+same objects ahead of time (``ntp_jax.train.precompile``).
 
 The even layout of a split dimension of ``n`` elements on a class of TP
 degree ``t`` uses ``k`` = the largest divisor of ``n`` not above ``t``: slots
@@ -29,7 +32,6 @@ array (optax step counts) is replicated over the class mesh.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -41,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.layers.params import TPParam
+from ntp_jax.program_cache import Lowerable, ProgramCache, abstract
 from ntp_jax.sharding.collectives import copy_shared_from_last, reshard_uneven
 from ntp_jax.sharding.layout import Layout, owner_layout
 from ntp_jax.sharding.mesh import DP, TP
@@ -173,9 +176,21 @@ def leaves_of(state: Any) -> tuple[list[Leaf], Any, list[Any]]:
 class LogicalSource(Protocol):
   """Where logical arrays come from (an initialiser, a checkpoint, a live replica).
 
-  ``place_logical`` calls every method; ``BaseSource`` gives the defaults, so
-  a source defines ``read`` and whichever of the others it has reason to.
+  ``Placement`` calls every method; ``BaseSource`` gives the defaults, so a
+  source defines ``read`` and whichever of the others it has reason to.
+
+  Attributes:
+    serves_blocks: ``read_blocks`` hands over every split leaf ``place_logical`` wants
+      (``read`` is asked for none of them); else ``read`` is asked for them all.
+    serves_copies: the same for ``read_copies`` and the unsplit leaves.
+    spans_processes: in a multi-process job the source's arrays already span every
+      process (``spanning.SpanningArrays``): ``programs.build_class_programs`` places
+      from it as it is, not through ``over_processes``.
   """
+
+  serves_blocks: bool
+  serves_copies: bool
+  spans_processes: bool
 
   def paths(self) -> set[Path] | None:
     """The paths the source can fill (the others are left to the caller); None: every
@@ -190,27 +205,40 @@ class LogicalSource(Protocol):
 
   def in_place(self, leaves: list[Leaf], mesh: Mesh) -> dict[Path, jax.Array] | None:
     """Every leaf of ``leaves`` already in the class sharding on ``mesh``, as it is
-    (nothing moves); None when the source cannot hand them over so."""
+    (nothing moves); None when the source cannot hand them over so (exactly when
+    ``keeps_in_place`` is False)."""
 
   def keeps_in_place(self, leaves: list[Leaf], mesh: Mesh) -> bool:
     """Whether ``in_place`` would hand the leaves over (decided from metadata only)."""
 
   def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
-    """Split leaves as ``[1, 1, *piece]`` buffers on each requested device, for the paths
-    the source holds so (a subset of ``requests``); ``read`` is asked for the rest."""
+    """Split leaves as ``[1, 1, *piece]`` buffers on each requested device of this
+    process, every path of ``requests`` (asked only when ``serves_blocks``)."""
 
   def read_copies(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
     """Unsplit leaves as the class state holds them on each requested device (replica-stacked:
-    ``[1, *shape]``; bare: the whole array), for the paths the source holds so; ``read`` is
-    asked for the rest."""
+    ``[1, *shape]``; bare: the whole array), every path of ``requests`` (asked only when
+    ``serves_copies``)."""
 
-  def lower_reads(self, requests: dict[Path, jax.ShapeDtypeStruct]
-                  ) -> tuple[list[jax.stages.Lowered], set[Path]] | None:
-    """Ahead of time: the programs ``read_blocks``, ``read_copies`` and ``read`` would run for
-    ``requests``, lowered, and the paths the first two would serve; None when the source
-    cannot tell (then ``lower_placement`` gives up)."""
+  def read_programs(self, blocks: dict[Path, jax.ShapeDtypeStruct],
+                    copies: dict[Path, jax.ShapeDtypeStruct],
+                    rest: dict[Path, jax.ShapeDtypeStruct]) -> list[Lowerable] | None:
+    """The compiled operations that ``read_blocks(blocks)``, ``read_copies(copies)`` and
+    ``read(rest)`` run, the very objects those calls use (each ``lower()``s itself, for
+    compiling ahead); ``[]``: they run no program of ours; None when the source cannot
+    tell before it reads (then ``Placement.lower`` gives up)."""
+
+  def over_processes(self, target: Any, meshes: list[Mesh], t_min: int) -> LogicalSource | None:
+    """A multi-process job: a source of the same state whose arrays span every process
+    (``spans_processes``), made the source's own way (live DP peers move theirs across
+    processes); None: read it once over every process (``spanning.SpanningSource``).
+
+    Args:
+      target: the first class's abstract state (names the logical leaves).
+      meshes: every class's mesh, in plan order. t_min: the smallest TP degree.
+    """
 
   def describe(self) -> str:
     """One line for logs naming the source."""
@@ -218,8 +246,14 @@ class LogicalSource(Protocol):
 
 class BaseSource:
   """Defaults of ``LogicalSource``: every path, the default even split, nothing in place,
-  no ready blocks or copies, nothing known ahead, the class name. Subclasses define ``read``.
+  every leaf through ``read`` (no blocks or copies handed over), nothing known ahead, not
+  spanning processes (read over them by ``spanning.SpanningSource``), the class name.
+  Subclasses define ``read``.
   """
+
+  serves_blocks = False
+  serves_copies = False
+  spans_processes = False
 
   def paths(self) -> set[Path] | None:
     return None
@@ -238,14 +272,18 @@ class BaseSource:
 
   def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
-    return {}
+    raise NotImplementedError(f"{type(self).__name__}.read_blocks (serves_blocks is False)")
 
   def read_copies(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
-    return {}
+    raise NotImplementedError(f"{type(self).__name__}.read_copies (serves_copies is False)")
 
-  def lower_reads(self, requests: dict[Path, jax.ShapeDtypeStruct]
-                  ) -> tuple[list[jax.stages.Lowered], set[Path]] | None:
+  def read_programs(self, blocks: dict[Path, jax.ShapeDtypeStruct],
+                    copies: dict[Path, jax.ShapeDtypeStruct],
+                    rest: dict[Path, jax.ShapeDtypeStruct]) -> list[Lowerable] | None:
+    return None
+
+  def over_processes(self, target: Any, meshes: list[Mesh], t_min: int) -> LogicalSource | None:
     return None
 
   def describe(self) -> str:
@@ -256,12 +294,10 @@ def per_device(array: jax.Array) -> dict[jax.Device, jax.Array]:
   return {s.device: s.data for s in array.addressable_shards}
 
 
-@functools.lru_cache(maxsize=1024)  # programs compiled ahead (ntp_jax.train.precompile) must stay
-def _transfer_program(split: tuple[Leaf, ...], mesh: Mesh, to_blocks: bool) -> Callable[..., Any]:
+def _transfer_body(split: tuple[Leaf, ...], mesh: Mesh, to_blocks: bool) -> Callable[..., Any]:
   """Jitted ``shard_map`` moving split leaves between the even layout and their layouts.
 
-  Per device, every array is ``[1, 1, *block]`` (``P('dp', 'tp')``). Cached:
-  a plan met again (a repaired replica, a second run) compiles nothing.
+  Per device, every array is ``[1, 1, *block]`` (``P('dp', 'tp')``).
   """
 
   # Leaves with one layout, axis and shape (a kernel, its two Adam moments, every
@@ -300,6 +336,17 @@ def _transfer_program(split: tuple[Leaf, ...], mesh: Mesh, to_blocks: bool) -> C
                                out_specs=(spec,) * len(split)))
 
 
+def transfer_program(cache: ProgramCache, split: tuple[Leaf, ...], mesh: Mesh,
+                     to_blocks: bool) -> Callable[..., Any]:
+  """The jitted move of ``split`` leaves between their layouts (``to_blocks=False``) and the
+  even layouts (``to_blocks=True``) on ``mesh``, made once per run in ``cache``: every
+  argument and result is ``[replicas, degree, *block]`` (``P('dp', 'tp')``), in the order of
+  ``split``, a plan met again (a repaired replica, a recovery compiled ahead) compiles
+  nothing."""
+  return cache.program(("placement transfer", split, mesh, to_blocks),
+                       lambda: _transfer_body(split, mesh, to_blocks))
+
+
 def block_shape(leaf: Leaf, length: int | None = None) -> tuple[int, ...]:
   """The leaf's shape with the split axis ``length`` long (default: its padded block)."""
   if length is None:
@@ -309,55 +356,80 @@ def block_shape(leaf: Leaf, length: int | None = None) -> tuple[int, ...]:
   return tuple(shape)
 
 
-def _even_split(state: Any, pieces: dict[Path, int] | None
-                ) -> tuple[list[Leaf], list[Any], list[tuple[Leaf, Any]]]:
-  leaves, _, nodes = leaves_of(state)
-  pieces = pieces or {}
-  leaves = [dataclasses.replace(leaf, k=pieces.get(leaf.path)) for leaf in leaves]
-  split = [(leaf, node) for leaf, node in zip(leaves, nodes) if leaf.layout is not None]
-  return leaves, nodes, split
+class EvenPieces:
+  """Every replica's split leaves of a class state moved to their even layouts: one program.
+
+  Args:
+    state: a class's replica-stacked state, arrays or ``jax.ShapeDtypeStruct``s with the
+      class shardings (``programs.class_shardings``).
+    mesh: its ``('dp', 'tp')`` mesh.
+    pieces: ``path -> k`` to use instead of the default even split.
+    cache: where the program is kept (default: a fresh ``ProgramCache``).
+
+  Attributes:
+    leaves, nodes: the state's leaves (with ``k`` set) and nodes (``leaves_of``).
+    split: the split leaves, in the program's argument order.
+
+  Calling it runs the program on the state's arrays; ``lower`` lowers the same program for
+  their shapes and shardings (nothing read), so that call then compiles nothing.
+  """
+
+  def __init__(self, state: Any, mesh: Mesh, pieces: dict[Path, int] | None = None,
+               cache: ProgramCache | None = None):
+    leaves, _, nodes = leaves_of(state)
+    pieces = pieces or {}
+    self.leaves = [dataclasses.replace(leaf, k=pieces.get(leaf.path)) for leaf in leaves]
+    self.nodes = nodes
+    self._split = [(leaf, node) for leaf, node in zip(self.leaves, nodes)
+                   if leaf.layout is not None]
+    self.split = tuple(leaf for leaf, _ in self._split)
+    self.program = (transfer_program(cache or ProgramCache(), self.split, mesh, to_blocks=False)
+                    if self.split else None)
+
+  def _values(self) -> list[Any]:
+    return [node.get_value() for _, node in self._split]
+
+  def __call__(self) -> dict[Path, jax.Array]:
+    """Per split leaf, a ``[replicas, degree, *piece]`` array (``P('dp', 'tp')``) whose
+    ``(r, j)`` block is replica ``r``'s piece ``j`` (``j < k``; zeros beyond)."""
+    if self.program is None:
+      return {}
+    return dict(zip((leaf.path for leaf in self.split), self.program(*self._values())))
+
+  def lower(self) -> list[jax.stages.Lowered]:
+    return [] if self.program is None else [self.program.lower(*abstract(self._values()))]
 
 
-def even_pieces_of(state: Any, mesh: Mesh, pieces: dict[Path, int] | None = None
+def even_pieces_of(state: Any, mesh: Mesh, pieces: dict[Path, int] | None = None,
+                   cache: ProgramCache | None = None
                    ) -> tuple[list[Leaf], list[Any], dict[Path, jax.Array]]:
   """Every replica's split leaves moved to their even layouts, on the class's devices.
 
   Args:
     state: a class's replica-stacked state. mesh: its ``('dp', 'tp')`` mesh.
     pieces: ``path -> k`` to use instead of the default even split.
+    cache: where the program is kept (default: a fresh ``ProgramCache``).
 
   Returns:
     ``(leaves, nodes, moved)``: the state's leaves (with ``k`` set) and
     nodes, and for each split leaf a ``[replicas, degree, *piece]`` array
     (``P('dp', 'tp')``) whose ``(r, j)`` block is replica ``r``'s piece ``j``
-    (``j < k``; zeros beyond).
+    (``j < k``; zeros beyond). ``EvenPieces`` is the operation.
   """
-  leaves, nodes, split = _even_split(state, pieces)
-  moved = _transfer_program(tuple(leaf for leaf, _ in split), mesh, to_blocks=False)(
-      *(node.get_value() for _, node in split)) if split else ()
-  return leaves, nodes, {leaf.path: array for (leaf, _), array in zip(split, moved)}
+  move = EvenPieces(state, mesh, pieces, cache)
+  return move.leaves, move.nodes, move()
 
 
-def lower_even_pieces(state: Any, mesh: Mesh, pieces: dict[Path, int] | None = None
-                      ) -> jax.stages.Lowered | None:
-  """The program ``even_pieces_of(state, mesh, pieces)`` runs, lowered for ``state``'s
-  shapes and shardings (None when nothing is split); compiling it ahead makes that call
-  compile nothing."""
-  _, _, split = _even_split(state, pieces)
-  if not split:
-    return None
-  values = [node.get_value() for _, node in split]
-  return _transfer_program(tuple(leaf for leaf, _ in split), mesh, to_blocks=False).lower(
-      *(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for v in values))
-
-
-def read_logical(state: Any, mesh: Mesh, replica: int = 0) -> dict[Path, jax.Array]:
+def read_logical(state: Any, mesh: Mesh, replica: int = 0,
+                 cache: ProgramCache | None = None) -> dict[Path, jax.Array]:
   """One replica's copy of a class state as logical arrays, evenly split, device to device.
 
   Args:
     state: a class's replica-stacked state (``{"params", "opt_state"}``).
     mesh: the class's ``('dp', 'tp')`` mesh.
     replica: row of the class mesh (position in the class, not the DP index).
+    cache: where the programs are kept (default: a fresh ``ProgramCache``, which
+      compiles them again).
 
   Returns:
     ``path -> jax.Array`` of the logical shape. A split leaf is sharded over
@@ -365,13 +437,15 @@ def read_logical(state: Any, mesh: Mesh, replica: int = 0) -> dict[Path, jax.Arr
     Every piece is produced where the data lives; nothing passes through the
     host.
   """
-  leaves, nodes, moved = even_pieces_of(state, mesh)
+  cache = cache or ProgramCache()
+  leaves, nodes, moved = even_pieces_of(state, mesh, cache=cache)
   row = mesh.devices[replica]
   split = [leaf for leaf in leaves if leaf.layout is not None]
   blocks = {leaf.path: per_device(moved[leaf.path]) for leaf in split}
   # Drop the [1, 1] lead of every piece: one dispatch per device, not one per piece.
   pieces = per_device_map(drop_lead, {
-      (leaf.path, j): blocks[leaf.path][row[j]] for leaf in split for j in range(leaf.pieces)})
+      (leaf.path, j): blocks[leaf.path][row[j]] for leaf in split for j in range(leaf.pieces)},
+      cache)
   out = {}
   for leaf, node in zip(leaves, nodes):
     if leaf.layout is not None:
@@ -385,40 +459,58 @@ def read_logical(state: Any, mesh: Mesh, replica: int = 0) -> dict[Path, jax.Arr
   return out
 
 
-def per_device_map(fn: Callable[[jax.Array], jax.Array], arrays: dict[Any, jax.Array]
-                   ) -> dict[Any, jax.Array]:
+class PerDeviceMap:
   """``fn`` applied to many single-device arrays: one jitted call per device.
 
   Reshaping hundreds of small buffers one by one costs a dispatch each (and,
   on first use, a compilation per shape and device); grouped by device it is
   one program per device.
+
+  Args:
+    fn: ``array -> array`` on one device (a module-level function: it keys the cache).
+    arrays: ``key -> `` single-device array or ``jax.ShapeDtypeStruct`` with a
+      ``SingleDeviceSharding``: the arguments the call will get.
+    cache: where the program is kept (default: a fresh ``ProgramCache``).
+
+  Attributes:
+    keys: the keys of ``arrays``, in order.
+
+  Calling it with ``key -> array`` of those shapes and devices gives ``key -> fn(array)``;
+  ``lower`` lowers the programs for them.
   """
-  out = {}
-  for keys in _by_device(arrays):
-    results = _mapped(fn)([arrays[k] for k in keys])
-    out.update(zip(keys, results))
-  return out
+
+  def __init__(self, fn: Callable[[jax.Array], jax.Array], arrays: dict[Any, Any],
+               cache: ProgramCache | None = None):
+    self.program = (cache or ProgramCache()).program(
+        ("per device", fn), lambda: jax.jit(lambda xs: [fn(x) for x in xs]))
+    self.keys = list(arrays)
+    self._groups = _by_device(arrays)
+    self._specs = {k: abstract(arrays[k]) for k in self.keys}
+
+  def __call__(self, arrays: dict[Any, jax.Array]) -> dict[Any, jax.Array]:
+    out = {}
+    for keys in self._groups:
+      out.update(zip(keys, self.program([arrays[k] for k in keys])))
+    return out
+
+  def lower(self) -> list[jax.stages.Lowered]:
+    return [self.program.lower([self._specs[k] for k in keys]) for keys in self._groups]
 
 
-def lower_per_device_map(fn: Callable[[jax.Array], jax.Array],
-                         arrays: dict[Any, jax.ShapeDtypeStruct]) -> list[jax.stages.Lowered]:
-  """The programs ``per_device_map(fn, arrays)`` runs, lowered for abstract single-device
-  arrays (``SingleDeviceSharding``), grouped as it groups them."""
-  return [_mapped(fn).lower([arrays[k] for k in keys]) for keys in _by_device(arrays)]
+def per_device_map(fn: Callable[[jax.Array], jax.Array], arrays: dict[Any, jax.Array],
+                   cache: ProgramCache | None = None) -> dict[Any, jax.Array]:
+  """``PerDeviceMap(fn, arrays, cache)(arrays)``: ``key -> fn(array)``, one jitted call per
+  device."""
+  return PerDeviceMap(fn, arrays, cache)(arrays)
 
 
 def _by_device(arrays: dict[Any, Any]) -> list[list[Any]]:
   """The keys of single-device arrays (or sharded ``ShapeDtypeStruct``s), grouped by device
-  in first-seen order: one ``_mapped`` program per group."""
+  in first-seen order: one ``PerDeviceMap`` call per group."""
   by_device: dict[jax.Device, list[Any]] = {}
   for key, array in arrays.items():
     by_device.setdefault(next(iter(array.sharding.device_set)), []).append(key)
   return list(by_device.values())
-
-
-@functools.lru_cache(maxsize=8)
-def _mapped(fn):
-  return jax.jit(lambda xs: [fn(x) for x in xs])
 
 
 def drop_lead(x: jax.Array) -> jax.Array:
@@ -439,26 +531,174 @@ def copy_of_replica(node: Any, leaf: Leaf, device: jax.Device, replica: int) -> 
   return shard.data[replica - (shard.index[0].start or 0)] if leaf.stacked else shard.data + 0
 
 
-def _wanted(target: Any, source: LogicalSource) -> tuple[list[Leaf], Any, list[Any], list[Leaf]]:
-  """``(leaves, treedef, nodes, wanted)``: every leaf of ``target`` with the source's even
-  split, and those the source fills."""
-  leaves, treedef, nodes = leaves_of(target)
-  available = source.paths()
-  # The source may pick each leaf's even split (None: the default).
-  leaves = [dataclasses.replace(leaf, k=source.pieces(leaf)) if leaf.layout is not None else leaf
-            for leaf in leaves]
-  wanted = [leaf for leaf in leaves if available is None or leaf.path in available]
-  return leaves, treedef, nodes, wanted
+class Placement:
+  """Filling a class's state from a source of logical arrays: what runs, and its programs.
+
+  Everything is decided at construction from metadata: the target's leaves and
+  layouts, the mesh, and what the source declares (``paths``, ``pieces``,
+  ``keeps_in_place``, ``serves_blocks``, ``serves_copies``); nothing is read
+  until the call. Each replica's devices read the even pieces they hold (split
+  leaves: slots ``0..k-1``; others: every device), then one program per class
+  moves the pieces into the padded blocks. ``lower`` lowers the programs the
+  call runs (the same objects, from the same ``cache``), so once they are
+  compiled the call compiles nothing.
+
+  Args:
+    target: the class's abstract replica-stacked state (``jax.eval_shape`` of it;
+      ``nnx.Variable`` metadata carries the layouts).
+    mesh: the class's ``('dp', 'tp')`` mesh (rows = replicas).
+    source: fills the paths it has (see ``LogicalSource``).
+    cache: where the programs are kept (default: a fresh ``ProgramCache``).
+
+  Attributes:
+    requests: ``path -> jax.ShapeDtypeStruct`` (logical shape, class dtype, the even
+      sharding) of every leaf the source fills.
+    blocks, copies, rest: the requests ``read_blocks``, ``read_copies`` and ``read`` get.
+  """
+
+  def __init__(self, target: Any, mesh: Mesh, source: LogicalSource,
+               cache: ProgramCache | None = None):
+    cache = cache or ProgramCache()
+    self.mesh, self.source = mesh, source
+    leaves, treedef, nodes = leaves_of(target)
+    available = source.paths()
+    # The source may pick each leaf's even split (None: the default).
+    self._leaves = [dataclasses.replace(leaf, k=source.pieces(leaf))
+                    if leaf.layout is not None else leaf for leaf in leaves]
+    self._treedef, self._nodes = treedef, nodes
+    self.wanted = [leaf for leaf in self._leaves if available is None or leaf.path in available]
+    self.kept = source.keeps_in_place(self.wanted, mesh)  # state already on these devices
+    wanted = [] if self.kept else self.wanted
+    self.requests = {leaf.path: leaf.abstract(leaf.even_sharding(mesh)) for leaf in wanted}
+    # A source that holds the pieces on devices already may hand them over as they are
+    # ([1, 1, *piece] per device, split leaves; the class's own copies of unsplit leaves):
+    # no program runs on them then.
+    self._split = [leaf for leaf in wanted if leaf.layout is not None]
+    self._unsplit = [leaf for leaf in wanted if leaf.layout is None]
+    self.blocks = ({leaf.path: self.requests[leaf.path] for leaf in self._split}
+                   if source.serves_blocks else {})
+    self.copies = ({leaf.path: self.requests[leaf.path] for leaf in self._unsplit}
+                   if source.serves_copies else {})
+    self.rest = {p: r for p, r in self.requests.items()
+                 if p not in self.blocks and p not in self.copies}
+    # Split leaves read whole: each device's piece lifted to [1, 1, *piece].
+    self._lift = PerDeviceMap(add_lead, {
+        (leaf.path, d): jax.ShapeDtypeStruct(leaf.piece_shape, leaf.dtype,
+                                             sharding=jax.sharding.SingleDeviceSharding(d))
+        for leaf in self._split if leaf.path in self.rest
+        for d in self.requests[leaf.path].sharding.mesh.devices.flat if is_mine(d)}, cache)
+    blocks = NamedSharding(mesh, P(DP, TP))
+    self._pieces = [jax.ShapeDtypeStruct(mesh.devices.shape + leaf.piece_shape, leaf.dtype,
+                                         sharding=blocks) for leaf in self._split]
+    self._transfer = (transfer_program(cache, tuple(self._split), mesh, to_blocks=True)
+                      if self._split else None)
+    self._stacked = [leaf for leaf in self._unsplit if leaf.stacked and leaf.path in self.rest]
+    self._stack = (stack_program(cache, tuple(leaf.dtype for leaf in self._stacked), mesh)
+                   if self._stacked else None)
+
+  def lower(self) -> list[jax.stages.Lowered] | None:
+    """The programs the call runs, lowered for the shapes and shardings it will meet.
+
+    Returns:
+      The lowered programs (empty: the state stays in place, nothing runs), or
+      None when the source cannot tell what its reads run
+      (``LogicalSource.read_programs``). Reads nothing from the source.
+    """
+    if self.kept:
+      return []
+    reads = self.source.read_programs(self.blocks, self.copies, self.rest)
+    if reads is None:
+      return None
+    lowered = [lowered for program in reads for lowered in program.lower()]
+    lowered += self._lift.lower()
+    if self._transfer is not None:
+      lowered.append(self._transfer.lower(*self._pieces))
+    if self._stack is not None:
+      lowered.append(self._stack.lower([self.rest[leaf.path] for leaf in self._stacked]))
+    return lowered
+
+  def __call__(self) -> tuple[Any, set[Path]]:
+    """Read the source and place its arrays.
+
+    Returns:
+      ``(state, filled)``: the target tree with every leaf the source filled
+      replaced by a device array in the class sharding (blocks ``P('dp',
+      'tp')``, replicated variables ``P('dp')``, scalars ``P()``), and the set
+      of filled paths. Leaves the source does not have stay abstract.
+
+    Raises:
+      What the source's reads raise (a checkpoint's ``CheckpointError``, a live
+      source's ``LookupError``, ...).
+    """
+    source, mesh = self.source, self.mesh
+    if self.kept:
+      kept = source.in_place(self.wanted, mesh)
+      return self._rebuild(kept), set(kept)
+    blocks = source.read_blocks(self.blocks) if self.blocks else {}
+    copies = source.read_copies(self.copies) if self.copies else {}
+    arrays = source.read(self.rest) if self.rest else {}
+    replicas = mesh.devices.shape[0]
+    placed: dict[Path, jax.Array] = {}
+
+    if self._split:
+      shards = {path: per_device(arrays[path]) for path, _ in self._lift.keys}
+      lifted: dict[Path, dict[jax.Device, jax.Array]] = {}
+      for (path, device), x in self._lift(
+          {(path, d): shards[path][d] for path, d in self._lift.keys}).items():
+        lifted.setdefault(path, {})[device] = x
+      inputs = []
+      for leaf, spec in zip(self._split, self._pieces):
+        block = (1, 1) + leaf.piece_shape
+        by_device = blocks[leaf.path] if leaf.path in blocks else lifted[leaf.path]
+        pieces = []
+        for row in mesh.devices:
+          for j, device in enumerate(row):
+            if not is_mine(device):
+              continue  # another process supplies its own devices' pieces
+            if j < leaf.pieces:
+              pieces.append(by_device[device])
+            else:  # slots past k hold none of the even layout (zeros from the host: no compile)
+              pieces.append(jax.device_put(np.zeros(block, leaf.dtype), device))
+        inputs.append(jax.make_array_from_single_device_arrays(spec.shape, spec.sharding, pieces))
+      placed.update(zip((leaf.path for leaf in self._split), self._transfer(*inputs)))
+    for leaf in self._unsplit:
+      if leaf.path in copies:
+        shape, spec = ((replicas,) + leaf.shape, P(DP)) if leaf.stacked else (leaf.shape, P())
+        placed[leaf.path] = jax.make_array_from_single_device_arrays(
+            shape, NamedSharding(mesh, spec),
+            [copies[leaf.path][d] for d in mesh.devices.flat if is_mine(d)])
+    if self._stack is not None:
+      placed.update(zip([leaf.path for leaf in self._stacked],
+                        self._stack([arrays[leaf.path] for leaf in self._stacked])))
+    for leaf in self._unsplit:
+      if not leaf.stacked and leaf.path not in copies:
+        placed[leaf.path] = jax.device_put(arrays[leaf.path].astype(leaf.dtype),
+                                           NamedSharding(mesh, P()))
+    return self._rebuild(placed), set(placed)
+
+  def _rebuild(self, placed: dict[Path, jax.Array]) -> Any:
+    """The target tree with the placed leaves' values set (the others left as they are)."""
+    out = []
+    for leaf, node in zip(self._leaves, self._nodes):
+      if leaf.path not in placed:
+        out.append(node)
+      elif isinstance(node, nnx.Variable):
+        out.append(node.replace(placed[leaf.path]))
+      else:
+        out.append(placed[leaf.path])
+    return jax.tree_util.tree_unflatten(self._treedef, out)
 
 
-def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, set[Path]]:
-  """Fill a class's state from a source of logical arrays.
+def place_logical(target: Any, mesh: Mesh, source: LogicalSource,
+                  cache: ProgramCache | None = None) -> tuple[Any, set[Path]]:
+  """Fill a class's state from a source of logical arrays: ``Placement(...)()``.
 
   Args:
     target: the class's abstract replica-stacked state (``jax.eval_shape``
       of it; ``nnx.Variable`` metadata carries the layouts).
     mesh: the class's ``('dp', 'tp')`` mesh (rows = replicas).
     source: fills the paths it has (see ``LogicalSource``).
+    cache: where the programs are kept (default: a fresh ``ProgramCache``).
 
   Returns:
     ``(state, filled)``: the target tree with every leaf the source filled
@@ -466,128 +706,14 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource) -> tuple[Any, 
     'tp')``, replicated variables ``P('dp')``, scalars ``P()``), and the set
     of filled paths. Leaves the source does not have stay abstract.
 
-  Each replica's devices read the even pieces they hold (split leaves:
-  slots ``0..k-1``; others: every device), then one program per class moves
-  the pieces into the padded blocks. ``lower_placement`` lowers the same
-  programs ahead of time.
+  Raises:
+    What the source's reads raise (e.g. ``ValueError`` for an ``ArraySource``
+    array of another shape).
   """
-  leaves, treedef, nodes, wanted = _wanted(target, source)
-  kept = source.in_place(wanted, mesh)  # state already on these devices, as wanted
-  if kept is not None:
-    return _rebuild(leaves, treedef, nodes, kept), set(kept)
-  requests = {leaf.path: leaf.abstract(leaf.even_sharding(mesh)) for leaf in wanted}
-  # A source that holds the pieces on devices already may hand them over as they are
-  # ([1, 1, *piece] per device, split leaves; the class's own copies of unsplit leaves):
-  # no program runs on them then.
-  split = [leaf for leaf in wanted if leaf.layout is not None]
-  unsplit = [leaf for leaf in wanted if leaf.layout is None]
-  blocks = source.read_blocks({leaf.path: requests[leaf.path] for leaf in split}) if split else {}
-  copies = (source.read_copies({leaf.path: requests[leaf.path] for leaf in unsplit})
-            if unsplit else {})
-  rest = {p: r for p, r in requests.items() if p not in blocks and p not in copies}
-  arrays = source.read(rest) if rest else {}
-  replicas = mesh.devices.shape[0]
-  placed: dict[Path, jax.Array] = {}
-
-  if split:
-    lifted: dict[Path, dict[jax.Device, jax.Array]] = {}
-    for (path, device), x in per_device_map(add_lead, {
-        (leaf.path, d): x for leaf in split if leaf.path not in blocks
-        for d, x in per_device(arrays[leaf.path]).items()}).items():
-      lifted.setdefault(path, {})[device] = x
-    inputs = []
-    for leaf in split:
-      block = (1, 1) + leaf.piece_shape
-      by_device = blocks[leaf.path] if leaf.path in blocks else lifted[leaf.path]
-      pieces = []
-      for row in mesh.devices:
-        for j, device in enumerate(row):
-          if not is_mine(device):
-            continue  # another process supplies its own devices' pieces
-          if j < leaf.pieces:
-            pieces.append(by_device[device])
-          else:  # slots past k hold none of the even layout (zeros from the host: no compile)
-            pieces.append(jax.device_put(np.zeros(block, leaf.dtype), device))
-      inputs.append(jax.make_array_from_single_device_arrays(
-          (replicas, mesh.devices.shape[1]) + block[2:], NamedSharding(mesh, P(DP, TP)), pieces))
-    for leaf, array in zip(split, _transfer_program(tuple(split), mesh, to_blocks=True)(*inputs)):
-      placed[leaf.path] = array
-  for leaf in unsplit:
-    if leaf.path in copies:
-      shape, spec = ((replicas,) + leaf.shape, P(DP)) if leaf.stacked else (leaf.shape, P())
-      placed[leaf.path] = jax.make_array_from_single_device_arrays(
-          shape, NamedSharding(mesh, spec),
-          [copies[leaf.path][d] for d in mesh.devices.flat if is_mine(d)])
-  stacked = [leaf for leaf in unsplit if leaf.stacked and leaf.path not in copies]
-  if stacked:
-    placed.update(zip([leaf.path for leaf in stacked], _stack_program(
-        tuple(leaf.dtype for leaf in stacked), mesh)([arrays[leaf.path] for leaf in stacked])))
-  for leaf in unsplit:
-    if not leaf.stacked and leaf.path not in copies:
-      placed[leaf.path] = jax.device_put(arrays[leaf.path].astype(leaf.dtype),
-                                         NamedSharding(mesh, P()))
-
-  return _rebuild(leaves, treedef, nodes, placed), set(placed)
+  return Placement(target, mesh, source, cache)()
 
 
-def lower_placement(target: Any, mesh: Mesh, source: LogicalSource
-                    ) -> list[jax.stages.Lowered] | None:
-  """The programs ``place_logical(target, mesh, source)`` would run, lowered ahead of time.
-
-  Compiling them (``Lowered.compile``) before the call makes the call
-  compile nothing: the same cached programs with the same shapes and
-  shardings. Reads nothing from the source.
-
-  Returns:
-    The lowered programs (empty: the state stays in place, nothing runs), or
-    None when the source cannot tell what its reads run
-    (``LogicalSource.lower_reads``).
-  """
-  _, _, _, wanted = _wanted(target, source)
-  if source.keeps_in_place(wanted, mesh):
-    return []
-  requests = {leaf.path: leaf.abstract(leaf.even_sharding(mesh)) for leaf in wanted}
-  ahead = source.lower_reads(requests)
-  if ahead is None:
-    return None
-  lowered, served = ahead
-  lowered = list(lowered)
-  split = [leaf for leaf in wanted if leaf.layout is not None]
-  if split:
-    lifted = {(leaf.path, d): jax.ShapeDtypeStruct(leaf.piece_shape, leaf.dtype,
-                                                   sharding=jax.sharding.SingleDeviceSharding(d))
-              for leaf in split if leaf.path not in served
-              for d in requests[leaf.path].sharding.device_set}
-    lowered += lower_per_device_map(add_lead, lifted)
-    blocks = NamedSharding(mesh, P(DP, TP))
-    lowered.append(_transfer_program(tuple(split), mesh, to_blocks=True).lower(*(
-        jax.ShapeDtypeStruct(mesh.devices.shape + leaf.piece_shape, leaf.dtype, sharding=blocks)
-        for leaf in split)))
-  stacked = [leaf for leaf in wanted
-             if leaf.layout is None and leaf.stacked and leaf.path not in served]
-  if stacked:
-    lowered.append(_stack_program(tuple(leaf.dtype for leaf in stacked), mesh).lower(
-        [requests[leaf.path] for leaf in stacked]))
-  return lowered
-
-
-def _rebuild(leaves: list[Leaf], treedef: Any, nodes: list[Any], placed: dict[Path, jax.Array]):
-  """The target tree with the placed leaves' values set (the others left as they are)."""
-  out = []
-  for leaf, node in zip(leaves, nodes):
-    if leaf.path not in placed:
-      out.append(node)
-    elif isinstance(node, nnx.Variable):
-      out.append(node.replace(placed[leaf.path]))
-    else:
-      out.append(placed[leaf.path])
-  return jax.tree_util.tree_unflatten(treedef, out)
-
-
-@functools.lru_cache(maxsize=256)
-def _stack_program(dtypes: tuple[np.dtype, ...], mesh: Mesh) -> Callable[..., Any]:
-  """Jitted: replicated logical arrays -> ``[replicas, ...]`` copies (``P('dp')``), in one
-  program. Cached, so a plan met again (or compiled ahead) compiles nothing."""
+def _stack_body(dtypes: tuple[np.dtype, ...], mesh: Mesh) -> Callable[..., Any]:
   replicas = mesh.devices.shape[0]
 
   def stack(xs):
@@ -596,12 +722,11 @@ def _stack_program(dtypes: tuple[np.dtype, ...], mesh: Mesh) -> Callable[..., An
   return jax.jit(stack, out_shardings=[NamedSharding(mesh, P(DP))] * len(dtypes))
 
 
-def clear_program_caches() -> None:
-  """Forget the placement programs this process keeps (state moves met again compile
-  nothing while they are kept): for measuring a cold move, and ``jax.clear_caches``'s
-  companion."""
-  for cached in (_transfer_program, _stack_program, _mapped):
-    cached.cache_clear()
+def stack_program(cache: ProgramCache, dtypes: tuple[np.dtype, ...],
+                  mesh: Mesh) -> Callable[..., Any]:
+  """Jitted: replicated logical arrays -> ``[replicas, ...]`` copies of ``dtypes``
+  (``P('dp')``) on ``mesh``, in one program, made once per run in ``cache``."""
+  return cache.program(("placement stack", dtypes, mesh), lambda: _stack_body(dtypes, mesh))
 
 
 def nest(flat: dict[Path, Any]) -> dict:

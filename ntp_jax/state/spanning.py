@@ -22,12 +22,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ntp_jax.program_cache import ProgramCache
 from ntp_jax.sharding.topology import holds_mine, is_mine, mine, processes_of
 from ntp_jax.state.placement import (
   BaseSource,
   Leaf,
   LogicalSource,
   Path,
+  PerDeviceMap,
   add_lead,
   copy_of_replica,
   drop_lead,
@@ -59,31 +61,33 @@ def job_pieces(leaf: Leaf, t_min: int) -> int:
   return even_pieces(leaf.layout.size, t_min) if leaf.layout is not None else 1
 
 
-def read_logical_spanning(classes: list[tuple[Any, Mesh]], t_min: int) -> dict[Path, jax.Array]:
+def read_logical_spanning(classes: list[tuple[Any, Mesh]], t_min: int,
+                          cache: ProgramCache | None = None) -> dict[Path, jax.Array]:
   """The job's logical state (``placement.read_logical``'s result) spanning every process.
 
   Args:
     classes: ``(state, mesh)`` of every class in plan order; the state of a
       class with no device in this process may be abstract (not read).
     t_min: the job's smallest TP degree.
+    cache: where the programs are kept (default: a fresh ``ProgramCache``).
 
   Returns:
     ``path -> jax.Array`` of the logical shape, sharded as ``spanning_sharding``;
     this process holds the pieces on its own devices (maybe none).
   """
+  cache = cache or ProgramCache()
   rows = [list(row) for _, mesh in classes for row in mesh.devices]
   leaves, _, _ = leaves_of(classes[0][0])
   k = {leaf.path: job_pieces(leaf, t_min) for leaf in leaves}
   local: dict[Path, list[jax.Array]] = {leaf.path: [] for leaf in leaves}
   for state, mesh in classes:
     if holds_mine(mesh):
-      class_leaves, nodes, moved = even_pieces_of(
-          state, mesh, k)
+      class_leaves, nodes, moved = even_pieces_of(state, mesh, k, cache)
       held = {leaf.path: per_device(moved[leaf.path]) for leaf in class_leaves
               if leaf.layout is not None}
       split_pieces = per_device_map(drop_lead, {
           (path, device): by_device[device] for path, by_device in held.items()
-          for row in mesh.devices for device in row[:k[path]] if is_mine(device)})
+          for row in mesh.devices for device in row[:k[path]] if is_mine(device)}, cache)
       for leaf, node in zip(class_leaves, nodes):
         for r, row in enumerate(mesh.devices):
           if leaf.layout is not None:
@@ -107,12 +111,16 @@ class SpanningArrays(BaseSource):
   Args:
     arrays: ``path -> jax.Array`` in the spanning sharding over the classes' rows.
     t_min: the split's bound: ``k = job_pieces(leaf, t_min)``.
+    cache: where the programs are kept (default: a fresh ``ProgramCache``).
   """
 
   spans_processes = True  # build_class_programs places it as it is
+  serves_blocks = True
 
-  def __init__(self, arrays: dict[Path, jax.Array], t_min: int):
+  def __init__(self, arrays: dict[Path, jax.Array], t_min: int,
+               cache: ProgramCache | None = None):
     self.t_min = t_min
+    self.cache = cache or ProgramCache()
     self._arrays = arrays
     self._paths = set(arrays)
 
@@ -125,16 +133,25 @@ class SpanningArrays(BaseSource):
   def describe(self) -> str:
     return "logical arrays over every process"
 
+  def _shards(self, requests: dict[Path, jax.ShapeDtypeStruct]
+              ) -> dict[tuple[Path, jax.Device], jax.Array]:
+    return {(path, s.device): s.data for path in requests
+            for s in self._arrays[path].addressable_shards}
+
   def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
     """Split leaves: ``path -> {device: [1, 1, *piece]}`` for this process's devices."""
     out: dict[Path, dict[jax.Device, jax.Array]] = {path: {} for path in requests}
-    lifted = per_device_map(add_lead, {
-        (path, s.device): s.data for path in requests
-        for s in self._arrays[path].addressable_shards})
-    for (path, device), x in lifted.items():
+    shards = self._shards(requests)
+    for (path, device), x in PerDeviceMap(add_lead, shards, self.cache)(shards).items():
       out[path][device] = x
     return out
+
+  def read_programs(self, blocks: dict[Path, jax.ShapeDtypeStruct],
+                    copies: dict[Path, jax.ShapeDtypeStruct],
+                    rest: dict[Path, jax.ShapeDtypeStruct]) -> list[PerDeviceMap]:
+    """``read_blocks``' lift of each piece to ``[1, 1, *piece]``; ``read`` runs none."""
+    return [PerDeviceMap(add_lead, self._shards(blocks), self.cache)] if blocks else []
 
   def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
     """Unsplit leaves, replicated over the requested class mesh (local copies reused)."""
@@ -157,9 +174,14 @@ class SpanningSource(SpanningArrays):
     source: the source to read (a checkpoint, an initialiser, a Hugging Face folder).
     target: the first class's abstract state (its leaves name the logical arrays).
     meshes: every class's mesh, in plan order. t_min: the smallest TP degree.
+    cache: where the programs are kept (default: a fresh ``ProgramCache``).
+
+  Raises:
+    What ``source.read`` raises.
   """
 
-  def __init__(self, source: LogicalSource, target: Any, meshes: list[Mesh], t_min: int):
+  def __init__(self, source: LogicalSource, target: Any, meshes: list[Mesh], t_min: int,
+               cache: ProgramCache | None = None):
     self.source = source
     leaves, _, _ = leaves_of(target)
     available = source.paths()
@@ -167,7 +189,7 @@ class SpanningSource(SpanningArrays):
     rows = [list(row) for mesh in meshes for row in mesh.devices]
     requests = {leaf.path: leaf.abstract(spanning_sharding(leaf, rows, job_pieces(leaf, t_min)))
                 for leaf in wanted}
-    super().__init__(source.read(requests) if requests else {}, t_min)
+    super().__init__(source.read(requests) if requests else {}, t_min, cache)
 
   def describe(self) -> str:
     return f"{self.source.describe()}, read once over every process"

@@ -23,12 +23,12 @@ from ntp_jax.model import ModelSpec
 from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import Plan, micro_batch_text, reachable_failed_sets
 from ntp_jax.parallel.programs import (
+  PlanPrograms,
   ProgramCache,
   build_class_programs,
   class_label,
   live_rows,
   logical_state,
-  lower_plan,
   plan_shapes,
 )
 from ntp_jax.parallel.steps import StepSettings
@@ -203,21 +203,21 @@ class TrainingRun:
                          for pair in sorted(failed ^ state.failed))
       label = f"{change} -> TP degrees {[r.degree for r in plan.replicas]}"
       jobs.append(PlanJob(failed, label, functools.partial(
-          self._lower_plan, plan, state.programs, dead), origin=state.failed))
+          self._programs_ahead, plan, state.programs, dead), origin=state.failed))
     self.precompiler.schedule(jobs)
 
-  def _lower_plan(self, plan: Plan, programs: list, dead: set) -> list:
+  def _programs_ahead(self, plan: Plan, programs: list, dead: set) -> list:
     """The programs a move from ``programs`` onto ``plan`` and its first step run, lowered."""
     if jax.process_count() > 1:  # the moves across processes are made by the recovery
       source = None
     elif self.config.ntp.recovery == "live":
-      source = PeerSource(programs, dead, min_degree=plan.t_min)
+      source = PeerSource(programs, dead, min_degree=plan.t_min, cache=self.cache)
     else:  # the restart path restores a checkpoint, whichever step it holds
       source = CheckpointShapes()
-    return lower_plan(plan, self.model.make, self.optimizer, self.config.train.clip_norm,
-                      self.config.train.seq_len, self.devices, cache=self.cache, source=source,
-                      loss=self.model.loss, skip=self.cache.compiled_keys(),
-                      split=self.guard.guarded(plan))
+    return PlanPrograms(plan, self.model.make, self.optimizer, self.config.train.clip_norm,
+                        self.global_tokens(plan), self.devices, cache=self.cache,
+                        loss=self.model.loss, split=self.guard.guarded(plan)).lower(
+                            self.config.train.seq_len, source, skip=self.cache.compiled_keys())
 
   def _wait_for_compile_ahead(self, timeout_s: float | None) -> bool:
     return self.precompiler is None or self.precompiler.wait_idle(timeout=timeout_s)
@@ -249,7 +249,7 @@ class TrainingRun:
     meta = {"data_cursor": state.cursor, "plan": state.plan.summary(),
             "config": self.config.to_json_dict()}
     start = time.perf_counter()
-    self.checkpoints.save(state.step, logical_state(state.programs), meta)
+    self.checkpoints.save(state.step, logical_state(state.programs, self.cache), meta)
     held = time.perf_counter() - start
     self.clock.add("checkpoint_save", held)
     state.saved_step = state.step
@@ -304,7 +304,7 @@ class TrainingRun:
     self.log(f"  moving the state from DP peers onto the new plan{note}")
     poison(state.programs, dead)
     source = PeerSource(state.programs, dead | self.guard.lost_devices, min_degree=plan.t_min,
-                        devices=self.devices)
+                        devices=self.devices, cache=self.cache)
     try:
       self.build(plan, source)
     except LookupError as err:

@@ -5,8 +5,8 @@ current failed set, one more failed device of any replica, or one repair
 (``plan.reachable_failed_sets``). ``Precompiler`` compiles, in a background
 thread while training goes on, every program a recovery onto each of them
 would run: the state moves, each class's step (or its two halves) and the
-cross-class sync (``programs.lower_plan``). A failure then costs the plan,
-the state move and the first step, without compiling (``ntp.precompile``).
+cross-class sync (``programs.PlanPrograms.lower``). A failure then costs the
+plan, the state move and the first step, without compiling (``ntp.precompile``).
 
 Compiled programs are the very ones the loop calls (the same ``jax.jit``
 objects, through ``programs.ProgramCache``), so nothing about a result

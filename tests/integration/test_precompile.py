@@ -13,7 +13,7 @@ import configs.gpt_tiny
 from models.gpt import GPT, GPTConfig, model_layouts
 from ntp_jax.errors import ConfigError
 from ntp_jax.parallel.plan import make_plan, reachable_failed_sets
-from ntp_jax.parallel.programs import ProgramCache, lower_plan
+from ntp_jax.parallel.programs import PlanPrograms, ProgramCache
 from ntp_jax.train.compilation import set_up_cache
 from ntp_jax.train.config import RunConfig
 from ntp_jax.train.hooks import Hook
@@ -97,8 +97,10 @@ def test_a_class_program_does_not_depend_on_which_slot_failed():
   for slot in (0, 2):
     plan = make_plan(functools.partial(model_layouts, cfg), tp=4, dp=1, failed={(0, slot)},
                      batch_size=4)
-    [(_, _, lowered)] = lower_plan(plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(0)),
-                                   optimizer, 1.0, 16, jax.devices()[:4], cache=ProgramCache())
+    programs = PlanPrograms(plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(0)),
+                            optimizer, 1.0, plan.global_batch * 16, jax.devices()[:4],
+                            cache=ProgramCache())
+    [(_, _, lowered)] = programs.lower(16)
     texts.append(lowered.as_text())
   assert texts[0] == texts[1]
 
