@@ -7,7 +7,7 @@ Kept short on purpose: it parses the config, makes sure enough devices exist
 (on a machine without an accelerator it simulates ``mesh.dp * mesh.tp`` CPU
 devices, set before JAX starts, unless ``XLA_FLAGS`` already sets a count),
 joins a multi-process job when the config or the environment asks for one
-(``ntp_jax.processes.distributed``), and calls ``ntp_jax.train.trainer.train``.
+(``ntp_jax.processes.distributed``), and calls ``ntp_jax.training.trainer.train``.
 """
 
 import os
@@ -35,9 +35,9 @@ def simulate_cpu_devices(count: int) -> None:
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing; every command-line mistake is one line naming the file or the
-  field (``ntp_jax.train.cli``), exit status 2."""
+  field (``ntp_jax.training.cli``), exit status 2."""
   from ntp_jax.errors import ConfigError
-  from ntp_jax.train.cli import parse_command_line
+  from ntp_jax.training.cli import parse_command_line
   try:
     return parse_command_line(argv)
   except ConfigError as err:
@@ -52,7 +52,7 @@ def main(argv):
   # These import JAX; its backend starts later, reading XLA_FLAGS.
   from ntp_jax.errors import ConfigError
   from ntp_jax.processes import distributed
-  from ntp_jax.train.config import RunConfig
+  from ntp_jax.training.config import RunConfig
   try:
     run_config = RunConfig.from_config(config)  # every field checked once, here
     processes = distributed.processes_in_config(run_config.distributed)
@@ -64,8 +64,8 @@ def main(argv):
 
   from ntp_jax.data import DataError
   from ntp_jax.state.checkpoint import CheckpointError
-  from ntp_jax.train.process_guard import ProcessStop
-  from ntp_jax.train.trainer import train
+  from ntp_jax.training.process_guard import ProcessStop
+  from ntp_jax.training.trainer import train
   job = None
   try:
     job = distributed.join(run_config.distributed)

@@ -47,8 +47,8 @@ from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import build_class_programs, logical_state  # noqa: E402
 from ntp_jax.state.checkpoint import Checkpoints  # noqa: E402
-from ntp_jax.train.config import parse_failed  # noqa: E402
-from ntp_jax.train.optim import make_optimizer  # noqa: E402
+from ntp_jax.training.config import parse_failed  # noqa: E402
+from ntp_jax.training.optim import make_optimizer  # noqa: E402
 
 
 def build(cfg, config, failed="", source=None):

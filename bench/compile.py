@@ -9,7 +9,7 @@ and, with ``--unrolled``, unrolled; it prints the seconds to lower, to
 compile, and the size of the lowered program (characters of StableHLO), each
 also as a ratio to the smallest depth. Part 2 compiles the step at
 ``--remat-layers`` for every ``model.remat`` policy and prints XLA's memory
-analysis per device (temporaries, the peak as in ``ntp_jax.train.footprint``) and
+analysis per device (temporaries, the peak as in ``ntp_jax.training.footprint``) and
 the flops per device per step (cost analysis of the unrolled model at 2 and
 3 layers, extended). Abstract shapes only: nothing is allocated, so the
 figures are those of the configured batch and sequence length. One process,
@@ -38,8 +38,8 @@ from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.layers import REMAT_POLICIES  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.steps import FusedStep, StepSettings  # noqa: E402
-from ntp_jax.train.footprint import abstract_program, class_footprints, per_device_flops  # noqa: E402
-from ntp_jax.train.optim import make_optimizer  # noqa: E402
+from ntp_jax.training.footprint import abstract_program, class_footprints, per_device_flops  # noqa: E402
+from ntp_jax.training.optim import make_optimizer  # noqa: E402
 
 
 def plan_of(cfg, config):

@@ -30,7 +30,7 @@ from ``device.device_kind`` (vendor datasheet figures below); an unknown
 kind shows "-".
 
 Before building a job the plan's memory is checked from shapes
-(``ntp_jax.train.resources.check_footprint``); a plan that does not fit, or an
+(``ntp_jax.training.resources.check_footprint``); a plan that does not fit, or an
 out-of-memory error from XLA, is reported as a row instead of stopping.
 """
 
@@ -55,9 +55,9 @@ from ntp_jax.layers import REMAT_POLICIES
 from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.programs import build_class_programs
-from ntp_jax.train.config import parse_failed
-from ntp_jax.train.optim import make_optimizer
-from ntp_jax.train.resources import ResourceError, check_footprint
+from ntp_jax.training.config import parse_failed
+from ntp_jax.training.optim import make_optimizer
+from ntp_jax.training.resources import ResourceError, check_footprint
 
 try:
   from tqdm import tqdm

@@ -40,8 +40,8 @@ from ntp_jax.analysis.cost import class_step_flops, own_shard_flops  # noqa: E40
 from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import build_class_programs  # noqa: E402
-from ntp_jax.train.config import parse_failed  # noqa: E402
-from ntp_jax.train.optim import make_optimizer  # noqa: E402
+from ntp_jax.training.config import parse_failed  # noqa: E402
+from ntp_jax.training.optim import make_optimizer  # noqa: E402
 
 SCENARIOS = [  # (name, ntp.failed, ntp.rebalance)
     ("healthy", "", "proportional"),

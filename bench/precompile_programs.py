@@ -59,9 +59,9 @@ from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.parallel.plan import make_plan, reachable_failed_sets  # noqa: E402
 from ntp_jax.parallel.programs import PlanPrograms, ProgramCache, build_class_programs  # noqa: E402
 from ntp_jax.state.peer import PeerSource  # noqa: E402
-from ntp_jax.train.compilation import host_resident_bytes, set_up_cache  # noqa: E402
-from ntp_jax.train.config import RunConfig  # noqa: E402
-from ntp_jax.train.optim import make_optimizer  # noqa: E402
+from ntp_jax.training.compilation import host_resident_bytes, set_up_cache  # noqa: E402
+from ntp_jax.training.config import RunConfig  # noqa: E402
+from ntp_jax.training.optim import make_optimizer  # noqa: E402
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _compiles = [0]

@@ -4,7 +4,7 @@
                            [--goodput-steps 200] [--out docs/bench_recovery.md]
 
 gpt_small on 8 simulated CPU devices as 2 replicas x 4 slots (equal batch
-shares), through ``ntp_jax.train.trainer.train``. A failure of replica 0 slot 3
+shares), through ``ntp_jax.training.trainer.train``. A failure of replica 0 slot 3
 strikes before step 11, with a checkpoint every 10 steps:
 
 - *time to the next productive step*: from the failure until step 11 has
@@ -53,9 +53,9 @@ import jax  # noqa: E402
 from common import emit, load_config  # noqa: E402
 
 from models.gpt import GPTConfig, count_params  # noqa: E402
-from ntp_jax.train.hooks import Hook  # noqa: E402
-from ntp_jax.train.metrics import read_metrics, read_records  # noqa: E402
-from ntp_jax.train.trainer import train  # noqa: E402
+from ntp_jax.training.hooks import Hook  # noqa: E402
+from ntp_jax.training.metrics import read_metrics, read_records  # noqa: E402
+from ntp_jax.training.trainer import train  # noqa: E402
 
 FAIL_STEP = 11
 AHEAD = {"ntp.precompile": "next_failure"}

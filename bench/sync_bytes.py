@@ -28,7 +28,7 @@ from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import abstract_params  # noqa: E402
 from ntp_jax.parallel.sync import sync_traffic  # noqa: E402
-from ntp_jax.train.config import parse_failed  # noqa: E402
+from ntp_jax.training.config import parse_failed  # noqa: E402
 
 MIXES = [
     ("8 + 7", 8, 2, "1:3"),

@@ -47,8 +47,8 @@ from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import build_class_programs  # noqa: E402
 from ntp_jax.parallel.steps import FusedStep, StepSettings  # noqa: E402
-from ntp_jax.train.footprint import abstract_program, per_device_flops  # noqa: E402
-from ntp_jax.train.optim import make_optimizer  # noqa: E402
+from ntp_jax.training.footprint import abstract_program, per_device_flops  # noqa: E402
+from ntp_jax.training.optim import make_optimizer  # noqa: E402
 
 MiB = 2**20
 

@@ -8,7 +8,7 @@ API, for a training run from Python (``docs/custom_model.md``)::
   import ntp_jax
 
   config = configs.gpt_tiny.get_config()      # an ml_collections.ConfigDict
-  result = ntp_jax.train(config, hooks=[lambda info: print(info.step, info.loss)])
+  result = ntp_jax.training(config, hooks=[lambda info: print(info.step, info.loss)])
 
 Names resolve on first use, so ``import ntp_jax`` starts no JAX backend:
 ``XLA_FLAGS`` (a simulated CPU device count) may still be set after it.
@@ -25,13 +25,13 @@ import importlib
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-  "train": "ntp_jax.train.trainer",
-  "TrainResult": "ntp_jax.train.trainer",
-  "Hook": "ntp_jax.train.hooks",
-  "StepInfo": "ntp_jax.train.hooks",
-  "RunServices": "ntp_jax.train.hooks",
-  "ProcessStop": "ntp_jax.train.process_guard",
-  "RunConfig": "ntp_jax.train.config",
+  "train": "ntp_jax.training.trainer",
+  "TrainResult": "ntp_jax.training.trainer",
+  "Hook": "ntp_jax.training.hooks",
+  "StepInfo": "ntp_jax.training.hooks",
+  "RunServices": "ntp_jax.training.hooks",
+  "ProcessStop": "ntp_jax.training.process_guard",
+  "RunConfig": "ntp_jax.training.config",
   "ModelSpec": "ntp_jax.model",
   "load_model_spec": "ntp_jax.model",
   "Plan": "ntp_jax.parallel.plan",

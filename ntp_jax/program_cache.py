@@ -3,11 +3,11 @@
 Each compiled operation of training (class steps, the cross-class sync, the state
 moves of a placement or a recovery) is one ``jax.jit`` object, or a small class
 holding them (``steps.FusedStep``, ``placement.Placement``, ...), written once. The
-run calls it with arrays; compiling ahead (``ntp_jax.train.precompile``) lowers
+run calls it with arrays; compiling ahead (``ntp_jax.training.precompile``) lowers
 the very same object from ``jax.ShapeDtypeStruct``s with shardings and compiles
 it, and JAX keeps the executable with that object, so the later call compiles
 nothing. The objects live in the ``ProgramCache`` the caller passes down
-(``train.loop.TrainingRun`` owns one per run); a caller that passes none gets a
+(``training.loop.TrainingRun`` owns one per run); a caller that passes none gets a
 fresh one, and nothing outlives the cache (no module-level cache of programs).
 """
 

@@ -21,7 +21,7 @@ from ntp_jax.layers.shard import replica_view, to_logical
 from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.programs import build_class_programs
-from ntp_jax.train.config import parse_failed, parse_weights
+from ntp_jax.training.config import parse_failed, parse_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -105,7 +105,7 @@ class CollectiveTotals:
 
   def scaled(self, other: CollectiveTotals, times: float) -> CollectiveTotals:
     """``self + times * (other - self)``: extend per-layer differences (see
-    ``ntp_jax.train.footprint.per_device_flops``)."""
+    ``ntp_jax.training.footprint.per_device_flops``)."""
     def extend(a, b):
       return {k: round(a.get(k, 0) + times * (b.get(k, 0) - a.get(k, 0))) for k in set(a) | set(b)}
     return CollectiveTotals(

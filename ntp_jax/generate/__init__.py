@@ -10,7 +10,7 @@ the spec is used: nothing here imports a model.
 - ``sampling``: greedy, or temperature and top-k sampling (seeded).
 - ``origin``: the model's spec, its parameters (a ``placement.LogicalSource``)
   and its tokenizer from a Hugging Face folder or a run's checkpoint
-  (``ntp_jax.train.stored_run``).
+  (``ntp_jax.training.stored_run``).
 - ``prompt``: the tokenizer, checked against the model.
 - ``cli``: ``python -m ntp_jax.generate`` (docs/generate.md).
 

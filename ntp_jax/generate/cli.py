@@ -128,7 +128,7 @@ def _generate(args, overrides: dict[str, str], tp: int) -> int:
   from ntp_jax.generate.prompt import PromptCodec
   from ntp_jax.generate.sampling import Sampling
   from ntp_jax.sharding.layout import live_slots
-  from ntp_jax.train.config import parse_failed, parse_weights
+  from ntp_jax.training.config import parse_failed, parse_weights
 
   if args.max_new_tokens < 1:
     raise ConfigError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")

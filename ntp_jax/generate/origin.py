@@ -32,7 +32,7 @@ from ntp_jax.sharding.layout import live_slots
 from ntp_jax.sharding.mesh import class_mesh
 from ntp_jax.state.checkpoint import STATE, CheckpointError
 from ntp_jax.state.placement import BaseSource, LogicalSource, Path, nest, place_logical
-from ntp_jax.train.stored_run import StoredRun, open_stored_run
+from ntp_jax.training.stored_run import StoredRun, open_stored_run
 
 HF_PREFIX = "hf:"
 HF_CONFIG = "config.json"  # what a Hugging Face folder holds (for a hint)

@@ -1,6 +1,6 @@
 """``python -m ntp_jax.interop.export_hf --checkpoint DIR [--step N] --out FOLDER``.
 
-Writes one step of a run's checkpoints (read with ``ntp_jax.train.stored_run``:
+Writes one step of a run's checkpoints (read with ``ntp_jax.training.stored_run``:
 the ``meta`` item holds the run's config, the ``state`` item the logical
 parameters) as a Hugging Face folder (the model's ``ModelSpec.export_hf``; for the GPT,
 ``ntp_jax.interop.hf_llama.export_hf``):
@@ -28,7 +28,7 @@ from ntp_jax.errors import ConfigError
 from ntp_jax.interop.hf_tokenizer import write_hf_tokenizer
 from ntp_jax.state.checkpoint import STATE, CheckpointError
 from ntp_jax.state.placement import Path, nest
-from ntp_jax.train.stored_run import StoredRun, open_stored_run
+from ntp_jax.training.stored_run import StoredRun, open_stored_run
 
 
 def read_params_on_host(run: StoredRun) -> dict[Path, np.ndarray]:
@@ -67,7 +67,7 @@ def export_checkpoint(directory: str, out: str, step: int | None = None, *,
   """Write step ``step`` (default: the newest complete one) of ``directory`` to ``out``.
 
   ``directory`` is a run's checkpoints folder (or its workdir, or one step
-  folder: ``ntp_jax.train.stored_run.open_stored_run``). The run's tokenizer
+  folder: ``ntp_jax.training.stored_run.open_stored_run``). The run's tokenizer
   goes with the weights (``directory/tokenizer.json``, the trainer's copy); a
   run without one (``.bin`` tokens, or older than that copy) gets one warning
   line through ``log`` and a folder without a tokenizer.

@@ -8,7 +8,7 @@
   (``ModelSpec.decoding``), and ``CachedForward``, the module methods it calls:
   the empty KV cache and a forward of new positions over it.
 
-The trainer (``ntp_jax.train``), generation (``ntp_jax.generate``) and the
+The trainer (``ntp_jax.training``), generation (``ntp_jax.generate``) and the
 Hugging Face export (``ntp_jax.interop.export_hf``) know a model only through
 this contract; no module of the library imports a model (``models/``,
 ``examples/``): the factory is imported by name when a run names it.

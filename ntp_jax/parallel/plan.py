@@ -146,7 +146,7 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
       one TP group (e.g. ``functools.partial(models.gpt.model_layouts, cfg)``).
     tp, dp: ``mesh.tp``, ``mesh.dp``.
     failed: the failed ``(replica, slot)`` pairs (``ntp.failed`` parsed by
-      ``train.config.parse_failed``, plus the events so far).
+      ``training.config.parse_failed``, plus the events so far).
     slot_weights: one relative speed per slot (``ntp.slot_weights``), or None: equal.
     batch_size: ``train.batch_size``, sequences per step of the healthy job.
     rebalance: ``ntp.rebalance``: ``proportional`` (share ~ degree / tp),
@@ -155,13 +155,13 @@ def make_plan(make_layouts: Callable[[int, Sequence[int], Sequence[float] | None
       share. Every class runs as many micro-batches as keep its own no larger
       than the healthy one (``ceil(share / healthy micro-batch)``).
 
-  The settings themselves are checked once, in ``train.config``; this checks
+  The settings themselves are checked once, in ``training.config``; this checks
   what depends on the failure state, which changes while a job runs.
 
   Raises:
     ConfigError: every replica dropped; a replica whose live slots all have
       weight 0 (one line naming the field).
-    ValueError: arguments that ``train.config`` would have refused (naming
+    ValueError: arguments that ``training.config`` would have refused (naming
       the argument): a size below 1, a batch that does not split over the
       replicas, a pair outside the mesh, weights not one per slot.
   """

@@ -59,7 +59,7 @@ def settings_from_config(distributed: Any, environ: dict[str, str] | None = None
   """The multi-process settings of the ``distributed`` section, or None for one process.
 
   Args:
-    distributed: ``train.config.DistributedConfig`` (its ranges checked there).
+    distributed: ``training.config.DistributedConfig`` (its ranges checked there).
     environ: the environment (default ``os.environ``).
 
   Order: the config fields, then ``NTP_JAX_*`` (the local launcher), then a
@@ -102,7 +102,7 @@ def _cluster_processes(env) -> int:
 def processes_in_config(distributed: Any, environ: dict[str, str] | None = None) -> int:
   """How many processes the run will have, as far as known before JAX starts (1 if unknown).
 
-  ``distributed``: ``train.config.DistributedConfig``."""
+  ``distributed``: ``training.config.DistributedConfig``."""
   settings = settings_from_config(distributed, environ)
   if settings is None:
     return 1

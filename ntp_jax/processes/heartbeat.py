@@ -193,7 +193,7 @@ def end_process(message: str) -> None:
   The one place the library ends a process, and only from a watching thread: the main
   thread is then held in a collective (or a just-in-time write) with a lost peer and
   cannot return. Every decision the main thread makes returns instead
-  (``train.process_guard.ProcessStop``).
+  (``training.process_guard.ProcessStop``).
   """
   print(f"error: {message}", file=sys.stderr, flush=True)
   sys.stdout.flush()

@@ -1,5 +1,5 @@
 """Goodput accounting: a run's wall time split into named buckets (the plot of a whole run is
-``ntp_jax.train.run_plot``).
+``ntp_jax.training.run_plot``).
 
 Buckets: ``productive`` (steps that advance training, after their program
 was compiled), ``compile`` (the first step of each newly built set of

@@ -55,7 +55,7 @@ class Checkpoints:
     asynchronous: write in a background thread after the device-to-host copy.
     processes: the processes that take part (default: every process of the job);
       the lowest writes the metadata. A subset is what survives a lost process
-      (``restrict``, ``train.just_in_time``).
+      (``restrict``, ``training.just_in_time``).
 
   Raises:
     CheckpointError: the folder cannot be created or read, naming it.

@@ -10,7 +10,7 @@ logical arrays laid out evenly over some of the class's devices; one program
 per class moves them into the padded blocks, device to device. A
 ``Placement`` decides all of it from metadata and holds the programs (from the
 caller's ``ProgramCache``): calling it runs them, its ``lower`` lowers the
-same objects ahead of time (``ntp_jax.train.precompile``).
+same objects ahead of time (``ntp_jax.training.precompile``).
 
 The even layout of a split dimension of ``n`` elements on a class of TP
 degree ``t`` uses ``k`` = the largest divisor of ``n`` not above ``t``: slots

@@ -5,7 +5,7 @@ import pytest
 from helpers import tiny_config
 
 from ntp_jax.errors import ConfigError
-from ntp_jax.train.trainer import train
+from ntp_jax.training.trainer import train
 
 QUIET = dict(log=lambda *_: None)
 

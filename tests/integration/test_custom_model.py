@@ -21,7 +21,7 @@ from ntp_jax.generate.origin import open_origin, place
 from ntp_jax.layers.shard import tp_call
 from ntp_jax.model import load_model_spec
 from ntp_jax.sharding.mesh import TP
-from ntp_jax.train.trainer import train
+from ntp_jax.training.trainer import train
 
 
 def _config(tmp_path, **overrides):

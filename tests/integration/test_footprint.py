@@ -14,16 +14,16 @@ from helpers import ROOT, process_env, tiny_config
 
 import configs.gpt_8b
 from models.gpt import GPTConfig, count_params, gpt_spec
-from ntp_jax.train.config import RunConfig, parse_failed
-from ntp_jax.train.footprint import (
+from ntp_jax.training.config import RunConfig, parse_failed
+from ntp_jax.training.footprint import (
   abstract_program,
   class_footprints,
   device_bytes,
   host_memory_available,
 )
-from ntp_jax.train.optim import make_optimizer
-from ntp_jax.train.resources import footprint
-from ntp_jax.train.trainer import plan_for, train
+from ntp_jax.training.optim import make_optimizer
+from ntp_jax.training.resources import footprint
+from ntp_jax.training.trainer import plan_for, train
 
 GIB = 2 ** 30
 

@@ -215,7 +215,7 @@ def run_dir(tmp_path_factory):
   tokenizer in WORKDIR/data)."""
   from helpers import tiny_config
 
-  from ntp_jax.train.trainer import train
+  from ntp_jax.training.trainer import train
   workdir = tmp_path_factory.mktemp("run")
   config = tiny_config(workdir, **{"mesh.tp": 1, "train.steps": 2, "checkpoint.every": 2,
                                    "train.batch_size": 4,

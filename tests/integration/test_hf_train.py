@@ -24,8 +24,8 @@ from ntp_jax.errors import ConfigError
 from ntp_jax.interop.export_hf import export_checkpoint
 from ntp_jax.interop.hf_llama import names, read_hf_config
 from ntp_jax.parallel.programs import logical_state
-from ntp_jax.train.metrics import read_records
-from ntp_jax.train.trainer import train
+from ntp_jax.training.metrics import read_records
+from ntp_jax.training.trainer import train
 
 _FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 _spec = importlib.util.spec_from_file_location(

@@ -4,10 +4,10 @@ import numpy as np
 from helpers import tiny_config
 
 from ntp_jax.resilience.events import Event
-from ntp_jax.train.hooks import Hook, RunServices, StepInfo
-from ntp_jax.train.loop import TrainingRun
-from ntp_jax.train.metrics import read_metrics
-from ntp_jax.train.trainer import train
+from ntp_jax.training.hooks import Hook, RunServices, StepInfo
+from ntp_jax.training.loop import TrainingRun
+from ntp_jax.training.metrics import read_metrics
+from ntp_jax.training.trainer import train
 
 
 class Recorder(Hook):

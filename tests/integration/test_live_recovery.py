@@ -10,8 +10,8 @@ from helpers import run_job, tiny_config
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.state.peer import poison
-from ntp_jax.train.metrics import read_metrics, read_records
-from ntp_jax.train.trainer import train
+from ntp_jax.training.metrics import read_metrics, read_records
+from ntp_jax.training.trainer import train
 
 QUIET = dict(log=lambda *_: None)
 MESH = {"mesh.dp": 2, "mesh.tp": 4, "ntp.rebalance": "equal"}
@@ -143,7 +143,7 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
   from ntp_jax.parallel.plan import make_plan
   from ntp_jax.parallel.programs import ProgramCache, build_class_programs, logical_state
   from ntp_jax.state.sources import ArraySource
-  from ntp_jax.train.optim import make_optimizer
+  from ntp_jax.training.optim import make_optimizer
 
   events = {"ntp.rebalance": "proportional", "ntp.fail_at": "4@0:3", "ntp.repair_at": "8@0:3"}
   ntp = run(workdir, tmp_path, **events)

@@ -8,8 +8,8 @@ from helpers import tiny_config
 
 from ntp_jax.data import make_dataset
 from ntp_jax.parallel.job_step import JobStep
-from ntp_jax.train.metrics import read_metrics
-from ntp_jax.train.trainer import train
+from ntp_jax.training.metrics import read_metrics
+from ntp_jax.training.trainer import train
 
 
 def _events(logdir):

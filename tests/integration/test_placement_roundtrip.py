@@ -22,7 +22,7 @@ from ntp_jax.parallel.programs import abstract_class_state, build_class_programs
 from ntp_jax.state.checkpoint import CheckpointError, Checkpoints
 from ntp_jax.state.placement import Leaf, even_pieces, leaves_of, read_logical
 from ntp_jax.state.sources import ArraySource
-from ntp_jax.train.config import parse_failed, parse_weights
+from ntp_jax.training.config import parse_failed, parse_weights
 
 # (mesh.tp, mesh.dp, ntp.failed, ntp.slot_weights): failed slots at the ends and in the
 # middle, 0 to 3 failures, several replicas, speed weights; 8 KV heads on 3 and 7 slots

@@ -14,12 +14,12 @@ from models.gpt import GPT, GPTConfig, model_layouts
 from ntp_jax.errors import ConfigError
 from ntp_jax.parallel.plan import make_plan, reachable_failed_sets
 from ntp_jax.parallel.programs import PlanPrograms, ProgramCache
-from ntp_jax.train.compilation import set_up_cache
-from ntp_jax.train.config import RunConfig
-from ntp_jax.train.hooks import Hook
-from ntp_jax.train.metrics import read_records
-from ntp_jax.train.optim import make_optimizer
-from ntp_jax.train.trainer import train
+from ntp_jax.training.compilation import set_up_cache
+from ntp_jax.training.config import RunConfig
+from ntp_jax.training.hooks import Hook
+from ntp_jax.training.metrics import read_records
+from ntp_jax.training.optim import make_optimizer
+from ntp_jax.training.trainer import train
 
 MESH = {"mesh.dp": 2, "mesh.tp": 2, "ntp.rebalance": "equal"}
 # A failure, a second failure in the other replica, and a repair of the first.

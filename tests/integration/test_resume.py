@@ -10,8 +10,8 @@ from helpers import tiny_config
 
 from ntp_jax.data.packed_dataset import PackedDataset
 from ntp_jax.errors import ConfigError
-from ntp_jax.train.metrics import read_metrics, read_records
-from ntp_jax.train.trainer import train
+from ntp_jax.training.metrics import read_metrics, read_records
+from ntp_jax.training.trainer import train
 
 
 def run(workdir, steps, ckpt_dir, log=None, **overrides):

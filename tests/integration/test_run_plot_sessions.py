@@ -1,13 +1,13 @@
 """``goodput.png`` of a run stopped by SIGTERM and resumed: drawn from both sessions of
-``metrics.jsonl`` (``ntp_jax.train.run_plot``)."""
+``metrics.jsonl`` (``ntp_jax.training.run_plot``)."""
 
 import os
 import signal
 
 from helpers import tiny_config
 
-from ntp_jax.train.run_plot import Mark, gather_series, run_title
-from ntp_jax.train.trainer import train
+from ntp_jax.training.run_plot import Mark, gather_series, run_title
+from ntp_jax.training.trainer import train
 
 
 def _config(workdir, steps):

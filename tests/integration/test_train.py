@@ -8,8 +8,8 @@ from helpers import tiny_config
 
 from ntp_jax.data import DataError
 from ntp_jax.errors import ConfigError
-from ntp_jax.train.metrics import read_metrics
-from ntp_jax.train.trainer import train
+from ntp_jax.training.metrics import read_metrics
+from ntp_jax.training.trainer import train
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from ntp_jax.layers.shard import tp_function
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.steps import FusedStep, StepSettings
 from ntp_jax.sharding.layout import make_layout
-from ntp_jax.train.footprint import abstract_program
+from ntp_jax.training.footprint import abstract_program
 
 # Lines of an optimized HLO module, in the forms XLA prints (CPU, and GPU's asynchronous start).
 HLO = "\n".join([

@@ -17,7 +17,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from helpers import tiny_config  # noqa: E402
 
-from ntp_jax.train.trainer import train  # noqa: E402
+from ntp_jax.training.trainer import train  # noqa: E402
 
 STEPS = 150
 

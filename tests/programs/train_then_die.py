@@ -18,10 +18,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import jax  # noqa: E402
 from absl import app  # noqa: E402
 
-import ntp_jax.train.trainer as trainer  # noqa: E402
+import ntp_jax.training.trainer as trainer  # noqa: E402
 import train  # noqa: E402
 from ntp_jax.processes.arrival import arrival_key  # noqa: E402
-from ntp_jax.train.hooks import Hook  # noqa: E402
+from ntp_jax.training.hooks import Hook  # noqa: E402
 
 
 class DieAfter(Hook):

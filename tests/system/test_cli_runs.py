@@ -14,8 +14,8 @@ import pytest
 from helpers import ROOT, process_env, tiny_config
 
 import configs.gpt_tiny
-from ntp_jax.train.metrics import read_metrics
-from ntp_jax.train.trainer import train
+from ntp_jax.training.metrics import read_metrics
+from ntp_jax.training.trainer import train
 
 
 def _cli(*args, full_corpus=False, codegen=True, **popen):

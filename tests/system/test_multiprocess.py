@@ -27,9 +27,9 @@ from ntp_jax.processes.distributed import (
   settings_from_config,
 )
 from ntp_jax.processes.heartbeat import LOST_EXIT_CODE, Heartbeat, StopAgreement
-from ntp_jax.train.config import RunConfig
-from ntp_jax.train.metrics import read_metrics
-from ntp_jax.train.trainer import train
+from ntp_jax.training.config import RunConfig
+from ntp_jax.training.metrics import read_metrics
+from ntp_jax.training.trainer import train
 
 FakeDevice = collections.namedtuple("FakeDevice", "id process_index")
 PLAN = ["--config.mesh.dp=2", "--config.mesh.tp=4", "--config.ntp.failed=1:2"]

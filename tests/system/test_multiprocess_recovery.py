@@ -19,7 +19,7 @@ from helpers import ROOT, process_env, tiny_config
 
 from ntp_jax.launch import free_port
 from ntp_jax.processes.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
-from ntp_jax.train.trainer import train
+from ntp_jax.training.trainer import train
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,5 +1,5 @@
 """Every command-line mistake of ``train.py`` is one line naming the file or the field, exit
-status 2 (``ntp_jax.train.cli``), parsed in this process (real runs of ``train.py``:
+status 2 (``ntp_jax.training.cli``), parsed in this process (real runs of ``train.py``:
 ``tests/system/test_cli_runs.py``)."""
 
 import importlib
@@ -15,8 +15,8 @@ from ml_collections import config_flags
 from models.gpt import GPTConfig
 from ntp_jax.errors import ConfigError
 from ntp_jax.model import load_model_spec
-from ntp_jax.train.cli import config_path, parse_command_line
-from ntp_jax.train.config import RunConfig
+from ntp_jax.training.cli import config_path, parse_command_line
+from ntp_jax.training.config import RunConfig
 
 TINY = os.path.join(ROOT, "configs", "gpt_tiny.py")
 

@@ -1,5 +1,5 @@
 """Every file in configs/ loads, validates and plans; every config mistake is one line naming
-the field (``ntp_jax.train.config``)."""
+the field (``ntp_jax.training.config``)."""
 
 import functools
 import importlib
@@ -11,7 +11,7 @@ from helpers import ROOT
 from models.gpt import GPTConfig, model_layouts
 from ntp_jax.errors import ConfigError
 from ntp_jax.parallel.plan import make_plan
-from ntp_jax.train.config import FIELDS, RunConfig
+from ntp_jax.training.config import FIELDS, RunConfig
 
 CONFIG_DIR = os.path.join(ROOT, "configs")
 NAMES = sorted(f[:-3] for f in os.listdir(CONFIG_DIR) if f.endswith(".py") and f != "__init__.py")

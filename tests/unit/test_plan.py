@@ -17,7 +17,7 @@ from ntp_jax.parallel.grad_norm import clip_by_logical_norm, logical_norm
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.sharding.blocks import to_blocks
 from ntp_jax.sharding.layout import make_layout
-from ntp_jax.train.config import RunConfig, parse_failed, parse_weights
+from ntp_jax.training.config import RunConfig, parse_failed, parse_weights
 
 _make_plan = functools.partial(make_plan, functools.partial(model_layouts, SMALL))
 

@@ -12,9 +12,9 @@ from ntp_jax.parallel.plan import make_plan
 from ntp_jax.processes.arrival import ProcessLost
 from ntp_jax.processes.distributed import Job
 from ntp_jax.processes.heartbeat import LOST_EXIT_CODE
-from ntp_jax.train.process_guard import ProcessGuard, ProcessStop
-from ntp_jax.train.recovery import Recoveries
-from ntp_jax.train.run_state import RunState
+from ntp_jax.training.process_guard import ProcessGuard, ProcessStop
+from ntp_jax.training.recovery import Recoveries
+from ntp_jax.training.run_state import RunState
 
 
 class Events:

@@ -1,10 +1,10 @@
-"""``goodput.png`` covers the whole run across resumes (``ntp_jax.train.run_plot``): the series
+"""``goodput.png`` covers the whole run across resumes (``ntp_jax.training.run_plot``): the series
 are gathered from every session of ``metrics.jsonl`` (a real stopped and resumed run:
 ``tests/integration/test_run_plot_sessions.py``)."""
 
 import json
 
-from ntp_jax.train.run_plot import gather_series, run_title
+from ntp_jax.training.run_plot import gather_series, run_title
 
 
 def test_crashes_failures_and_repairs_are_marked_and_redone_steps_drawn_once(tmp_path):

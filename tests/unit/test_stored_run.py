@@ -1,4 +1,4 @@
-"""The one reader of a stored run (ntp_jax.train.stored_run): where it is found, what older
+"""The one reader of a stored run (ntp_jax.training.stored_run): where it is found, what older
 metadata may lack, and one line naming the file for bad metadata."""
 
 import os
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ntp_jax.state.checkpoint import CheckpointError, Checkpoints
-from ntp_jax.train.stored_run import open_stored_run
+from ntp_jax.training.stored_run import open_stored_run
 
 PARAMS = {("params", "w"): np.arange(6, dtype=np.float32).reshape(2, 3),
           ("opt_state", "mu", "w"): np.zeros((2, 3), np.float32)}

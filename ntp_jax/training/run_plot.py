@@ -1,7 +1,7 @@
 """``WORKDIR/goodput.png``: the whole run across resumes, read back from ``metrics.jsonl``.
 
 A run is every session since the last ``start`` event (each resume appends
-to the same file, ``train.metrics``): ``gather_series`` reads the step
+to the same file, ``training.metrics``): ``gather_series`` reads the step
 records (the last record of a step wins: steps redone after a restart are
 drawn once) and the event rows, and ``plot_series`` draws the training and
 validation loss, tokens per second and goodput per step, with stops,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ntp_jax.train.metrics import read_records
+from ntp_jax.training.metrics import read_records
 
 # Line colour of each kind of mark.
 COLORS = {"fail": "tab:red", "repair": "tab:green", "stop": "tab:gray", "resume": "tab:blue"}

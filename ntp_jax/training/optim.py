@@ -14,13 +14,13 @@ import optax
 from flax import nnx
 
 from ntp_jax.layers.params import TPParam
-from ntp_jax.train.config import TrainConfig
+from ntp_jax.training.config import TrainConfig
 
 
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
   """AdamW from the ``train`` section (``lr``, ``warmup_steps``, ``schedule_steps``,
   ``min_lr_ratio``, ``b1``, ``b2``, ``weight_decay``; checked by
-  ``train.config``): linear warmup to ``lr``, cosine decay to
+  ``training.config``): linear warmup to ``lr``, cosine decay to
   ``lr * min_lr_ratio`` at ``schedule_steps`` (``train.steps`` unless set).
   Clipping is separate (``clip_by_logical_norm``).
   """

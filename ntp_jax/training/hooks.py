@@ -1,6 +1,6 @@
 """Step hooks: what runs around each training step, the trainer's defaults included.
 
-The loop (``train.loop.TrainingRun``) runs a step and hands a ``StepInfo``
+The loop (``training.loop.TrainingRun``) runs a step and hands a ``StepInfo``
 to each hook in order; a hook acts when it is ``due`` (by default every
 ``every`` steps done). Before a step, ``before_step`` lets a hook report
 failures (``resilience.events.Event``s, or raise ``events.DeviceFailure``).
@@ -32,7 +32,7 @@ import numpy as np
 from ntp_jax.parallel.plan import Plan
 from ntp_jax.resilience.events import Event
 from ntp_jax.resilience.goodput import GoodputClock
-from ntp_jax.train.metrics import MetricsWriter, TensorBoardWriter, progress_line
+from ntp_jax.training.metrics import MetricsWriter, TensorBoardWriter, progress_line
 
 
 class RunServices:
@@ -178,7 +178,7 @@ def as_hook(hook: Hook | Callable[[StepInfo], Any]) -> Hook:
     return hook
   if callable(hook):
     return FunctionHook(hook)
-  raise TypeError(f"hooks: {hook!r} is neither a train.hooks.Hook nor a function of StepInfo")
+  raise TypeError(f"hooks: {hook!r} is neither a training.hooks.Hook nor a function of StepInfo")
 
 
 # -- the trainer's defaults ---------------------------------------------------------------------

@@ -4,7 +4,7 @@ A checkpoint step (``ntp_jax.state.checkpoint``) keeps a JSON ``meta`` item:
 the format, ``step``, ``data_cursor`` (sequences consumed), the ``plan`` it
 was written under (``Plan.summary``), the run's ``config`` as written, and
 ``just_in_time`` for a just-in-time checkpoint. ``StoredRun`` is that item
-checked once; resuming (``train.resume``), generation (``ntp_jax.generate``)
+checked once; resuming (``training.resume``), generation (``ntp_jax.generate``)
 and the Hugging Face export (``ntp_jax.interop.export_hf``) read a run only
 through it.
 
@@ -46,7 +46,7 @@ class StoredRun:
       fields or sections (``written``).
     plan: the ``Plan.summary()`` it was written under, or None (metadata without one).
     data_cursor: sequences of the data walk consumed, or None (metadata without one).
-    just_in_time: written by the survivors of a lost process (``train.just_in_time``).
+    just_in_time: written by the survivors of a lost process (``training.just_in_time``).
     param_shapes: ``path -> (logical shape, dtype)`` of the stored ``params``
       (paths start with ``"params"``), from orbax's metadata; None when not read
       (``read_stored_run(..., param_shapes=False)``).

@@ -2,7 +2,7 @@
 
 ``train`` calls ``check_footprint`` after planning: with ``dry_run`` it
 prints the per-device memory and flops of every class's step
-(``train.footprint``) and stops; otherwise it does that work only when the
+(``training.footprint``) and stops; otherwise it does that work only when the
 resident state takes more than a quarter of what the devices hold, and
 stops with one line when the step cannot fit.
 """
@@ -14,8 +14,8 @@ import dataclasses
 from ntp_jax.errors import ConfigError
 from ntp_jax.model import ModelSpec
 from ntp_jax.parallel.plan import Plan
-from ntp_jax.train.config import RunConfig
-from ntp_jax.train.footprint import (
+from ntp_jax.training.config import RunConfig
+from ntp_jax.training.footprint import (
   ClassFootprint,
   abstract_program,
   class_footprints,

@@ -17,8 +17,8 @@ from ntp_jax.parallel.plan import Plan
 from ntp_jax.resilience.events import Event
 from ntp_jax.state.checkpoint import CheckpointError, Checkpoints
 from ntp_jax.state.placement import LogicalSource
-from ntp_jax.train.config import RunConfig
-from ntp_jax.train.stored_run import StoredRun, read_stored_run
+from ntp_jax.training.config import RunConfig
+from ntp_jax.training.stored_run import StoredRun, read_stored_run
 
 # Fields that decide which sequences a data cursor means: another value changes the order.
 DATA_ORDER_FIELDS = (("train", "seed"), ("data", "path"), ("data", "max_corpus_bytes"),

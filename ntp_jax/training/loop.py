@@ -41,14 +41,14 @@ from ntp_jax.state.peer import PeerSource, poison
 from ntp_jax.state.placement import LogicalSource
 from ntp_jax.state.sources import InitSource
 from ntp_jax.state.spanning import processes_without_pieces
-from ntp_jax.train.compilation import compile_seconds
-from ntp_jax.train.config import RunConfig
-from ntp_jax.train.hooks import Hook, RunServices, StepInfo
-from ntp_jax.train.precompile import PlanJob, Precompiler
-from ntp_jax.train.process_guard import ProcessGuard
-from ntp_jax.train.recovery import Recoveries
-from ntp_jax.train.run_state import RunState
-from ntp_jax.train.stored_run import read_stored_run
+from ntp_jax.training.compilation import compile_seconds
+from ntp_jax.training.config import RunConfig
+from ntp_jax.training.hooks import Hook, RunServices, StepInfo
+from ntp_jax.training.precompile import PlanJob, Precompiler
+from ntp_jax.training.process_guard import ProcessGuard
+from ntp_jax.training.recovery import Recoveries
+from ntp_jax.training.run_state import RunState
+from ntp_jax.training.stored_run import read_stored_run
 
 
 class DatasetRows:
@@ -79,7 +79,7 @@ class TrainingRun:
   clock, and the services hooks may use (``hooks.RunServices``).
 
   Args:
-    config: the run's ``train.config.RunConfig``.
+    config: the run's ``training.config.RunConfig``.
     model: the ``ModelSpec`` (its ``make``, ``loss`` and ``initial_source``: the
       parameters a fresh start, or a restart with no checkpoint, begins from).
     make_plan: ``failed (replica, slot) pairs -> Plan``.
@@ -92,7 +92,7 @@ class TrainingRun:
     failed: the failed ``(replica, slot)`` pairs at the start.
     hooks: ``hooks.Hook``s run around every step, in order.
     precompile: compile the plans one failure or repair away in the
-      background (``ntp_jax.train.precompile``; ``ntp.precompile`` resolved).
+      background (``ntp_jax.training.precompile``; ``ntp.precompile`` resolved).
     job: this process's ``distributed.Job`` (None: one process): with a heartbeat
       that offers losses to this thread, every step of a plan over several
       processes checks their arrival before its gradient sync, and a lost
@@ -184,7 +184,7 @@ class TrainingRun:
 
   def compile_ahead(self) -> None:
     """Schedule the background compile of every plan one failure or repair away from the
-    current one (``ntp_jax.train.precompile``): its state moves, steps and sync."""
+    current one (``ntp_jax.training.precompile``): its state moves, steps and sync."""
     if self.precompiler is None:
       return
     state, jobs = self.state, []  # a lost process's devices stay failed: no plan brings them back

@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from ntp_jax.parallel.programs import ProgramCache
-from ntp_jax.train.compilation import host_resident_bytes
+from ntp_jax.training.compilation import host_resident_bytes
 
 
 @dataclasses.dataclass(frozen=True)

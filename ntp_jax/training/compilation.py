@@ -9,7 +9,7 @@
 - ``compile_seconds``: seconds the calling thread has spent lowering and
   compiling (``jax.monitoring`` events), so the loop can say
   what a recovery spent compiling on its critical path while a background
-  thread compiles other plans (``ntp_jax.train.precompile``).
+  thread compiles other plans (``ntp_jax.training.precompile``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The trainer: config -> plan -> data -> class programs -> the loop and its hooks.
 
 ``train.py`` only parses flags and calls ``train(config)``. ``train`` checks
-the config once (``train.config.RunConfig``), plans the job
+the config once (``training.config.RunConfig``), plans the job
 (``parallel.plan``), checks that the devices can hold the step
-(``train.resources``), reads the data, finds where to start
-(``train.resume``), and hands over to ``loop.TrainingRun`` with the default
-step hooks (``train.hooks``) and any the caller adds.
+(``training.resources``), reads the data, finds where to start
+(``training.resume``), and hands over to ``loop.TrainingRun`` with the default
+step hooks (``training.hooks``) and any the caller adds.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from ntp_jax.processes.distributed import Job, check_domains, join, ordered_devi
 from ntp_jax.resilience.signals import StopSignals
 from ntp_jax.sharding.topology import is_mine
 from ntp_jax.state.checkpoint import Checkpoints
-from ntp_jax.train.compilation import set_up_cache
-from ntp_jax.train.config import RunConfig, as_run_config
-from ntp_jax.train.footprint import ClassFootprint
-from ntp_jax.train.hooks import (
+from ntp_jax.training.compilation import set_up_cache
+from ntp_jax.training.config import RunConfig, as_run_config
+from ntp_jax.training.footprint import ClassFootprint
+from ntp_jax.training.hooks import (
   CheckpointHook,
   DetectorHook,
   EvalHook,
@@ -46,14 +46,14 @@ from ntp_jax.train.hooks import (
   TensorBoardHook,
   as_hook,
 )
-from ntp_jax.train.loop import TrainingRun
-from ntp_jax.train.metrics import MetricsWriter, TensorBoardWriter
-from ntp_jax.train.optim import make_optimizer
-from ntp_jax.train.process_guard import ProcessStop, end_after_grace
-from ntp_jax.train.report import parameter_table
-from ntp_jax.train.resources import check_footprint
-from ntp_jax.train.resume import ResumePoint, check_resumable, resume_point
-from ntp_jax.train.run_plot import gather_series, plot_series, run_title
+from ntp_jax.training.loop import TrainingRun
+from ntp_jax.training.metrics import MetricsWriter, TensorBoardWriter
+from ntp_jax.training.optim import make_optimizer
+from ntp_jax.training.process_guard import ProcessStop, end_after_grace
+from ntp_jax.training.report import parameter_table
+from ntp_jax.training.resources import check_footprint
+from ntp_jax.training.resume import ResumePoint, check_resumable, resume_point
+from ntp_jax.training.run_plot import gather_series, plot_series, run_title
 
 
 @dataclasses.dataclass
@@ -168,7 +168,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   ``checkpoint.resume`` it continues from the latest checkpoint in
   ``checkpoint.dir``, onto this config's plan. ``ntp.fail_at`` /
   ``ntp.repair_at`` events and ``detector`` change the plan while it runs
-  (``ntp_jax.train.loop``).
+  (``ntp_jax.training.loop``).
 
   In a multi-process job (``distributed.*``, ``python -m ntp_jax.launch``,
   SLURM's ``srun``) every process calls this; ``jax.distributed`` starts
@@ -270,7 +270,7 @@ def open_checkpoints(config: RunConfig) -> Checkpoints:
 
 def precompile_on(config: RunConfig, devices: Sequence[jax.Device], log) -> bool:
   """``ntp.precompile`` resolved: compile the plans one failure or repair away in the
-  background (``ntp_jax.train.precompile``)? ``auto`` is on for GPU and TPU, off on CPU (the
+  background (``ntp_jax.training.precompile``)? ``auto`` is on for GPU and TPU, off on CPU (the
   compiling thread would take the cores the step runs on). One process only: across
   processes the live moves compile when the failure comes (not built yet). Logs the choice."""
   setting = config.ntp.precompile
@@ -295,7 +295,7 @@ def plan_for(config: RunConfig, model: ModelSpec, failed: frozenset[tuple[int, i
 def default_hooks(config: RunConfig, run_log, writer: MetricsWriter, dataset,
                   primary: bool) -> list[Hook]:
   """The trainer's own hooks, in order: checkpoint, validation, goodput, metrics file,
-  TensorBoard, progress line (``train.hooks``)."""
+  TensorBoard, progress line (``training.hooks``)."""
   hooks: list[Hook] = []
   if config.checkpoint.enabled:
     hooks.append(CheckpointHook(config.checkpoint.every))
@@ -405,7 +405,7 @@ def finish(run: TrainingRun, config: RunConfig, log) -> None:
 
 def plot(run: TrainingRun, config: RunConfig, log) -> None:
   """``WORKDIR/goodput.png`` of the whole run, every session of ``metrics.jsonl``
-  (``train.run_plot``): with ``train.plot``, or whenever a failure or repair happened."""
+  (``training.run_plot``): with ``train.plot``, or whenever a failure or repair happened."""
   if run.records and (run.marks or config.train.plot) and jax.process_index() == 0:
     path = os.path.join(config.workdir, "goodput.png")
     series = gather_series(run.writer.path)

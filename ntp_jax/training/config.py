@@ -30,7 +30,7 @@ from ntp_jax.errors import ConfigError
 from ntp_jax.parallel.plan import REBALANCE
 from ntp_jax.resilience.events import Event, check_events, parse_events
 
-PRECOMPILE = ("auto", "next_failure", "none")  # ``ntp.precompile`` (ntp_jax.train.precompile)
+PRECOMPILE = ("auto", "next_failure", "none")  # ``ntp.precompile`` (ntp_jax.training.precompile)
 RECOVERY = ("live", "restart")  # where a failure's new plan takes its state (``ntp.recovery``)
 FailedSlots = frozenset[tuple[int, int]]
 
@@ -117,7 +117,7 @@ class DistributedConfig:
 @dataclasses.dataclass(frozen=True)
 class CompileConfig:
   # JAX's persistent compilation cache: a folder; "" the default (JAX's own setting when the
-  # environment gives one, else WORKDIR/compile_cache); "none" off (ntp_jax.train.compilation)
+  # environment gives one, else WORKDIR/compile_cache); "none" off (ntp_jax.training.compilation)
   cache_dir: str
 
 

@@ -6,7 +6,7 @@ program and before its gradient sync (``processes.arrival``), so a lost
 peer is met between collectives. The guard then either turns the loss into
 failure events for the run to apply (``distributed.recoverable``: the run
 goes on without the lost devices) or writes the last completed step as a
-just-in-time checkpoint (``train.just_in_time``) and raises ``ProcessStop``
+just-in-time checkpoint (``training.just_in_time``) and raises ``ProcessStop``
 with the exit status for ``train.py``. It never ends the process itself;
 only a watching thread does, when the main thread is held in a collective
 with the lost peer and cannot return (``heartbeat.end_process``).
@@ -25,7 +25,7 @@ from ntp_jax.processes.distributed import Job
 from ntp_jax.processes.heartbeat import LOST_EXIT_CODE, end_process
 from ntp_jax.resilience.events import Event
 from ntp_jax.sharding.topology import processes_of
-from ntp_jax.train.just_in_time import JustInTimeState, write_just_in_time
+from ntp_jax.training.just_in_time import JustInTimeState, write_just_in_time
 
 # Seconds the heartbeat waits for the main thread to take a loss over while a step
 # compiles (a large model's first step compiles for minutes); else a few steps' time.
@@ -130,7 +130,7 @@ class ProcessGuard:
 
   def stop(self, lost: ProcessLost, state: JustInTimeState, checkpoints) -> ProcessStop:
     """The loss ends this process: the last completed step written as a just-in-time
-    checkpoint where possible (``train.just_in_time``); returns the ``ProcessStop`` to raise.
+    checkpoint where possible (``training.just_in_time``); returns the ``ProcessStop`` to raise.
     """
     survivors = self.live_processes() - set(lost.processes)
     message = write_just_in_time(self.job, lost, survivors, state, checkpoints, self.log,

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from ntp_jax.parallel.plan import Plan
-from ntp_jax.train.just_in_time import JustInTimeState
+from ntp_jax.training.just_in_time import JustInTimeState
 
 
 @dataclasses.dataclass
