@@ -21,6 +21,7 @@ compiled programs whose meshes hold some of them. This module
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +37,15 @@ ENV_PROCESS_ID = "NTP_JAX_PROCESS_ID"
 # Process counts of the launchers whose settings jax.distributed.initialize() detects by
 # itself: srun's job step (not sbatch's batch script) and Open MPI's mpirun.
 CLUSTER_PROCESS_COUNTS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")
+# What JAX's fault-tolerance guide (docs.jax.dev, "Fault Tolerant Distributed JAX") sets on
+# GPU so that a collective with a dead peer can be cancelled, not wait in NCCL for ever.
+GPU_RECOVERY_FLAGS = {"--xla_gpu_nccl_terminate_on_error": "false",
+                      "--xla_gpu_nccl_async_execution": "true",
+                      "--xla_gpu_nccl_blocking_communicators": "false"}
+GPU_RECOVERY_ENV = {"XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1"}
+# Packages of JAX's GPU plugins: one importable means the job runs on GPUs.
+_GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+                "jax_rocm7_plugin")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,22 +121,79 @@ def processes_in_config(distributed: Any, environ: dict[str, str] | None = None)
   return _cluster_processes(os.environ if environ is None else environ)
 
 
-def initialize(settings: Settings) -> None:
+def expects_gpu(environ: dict[str, str] | None = None) -> bool:
+  """Will this process's JAX run on GPUs? Read before its backend starts: ``JAX_PLATFORMS``
+  when set, else whether a GPU plugin of JAX is installed."""
+  env = os.environ if environ is None else environ
+  platforms = env.get("JAX_PLATFORMS", "").lower()
+  if platforms:
+    return any(p in platforms for p in ("cuda", "gpu", "rocm"))
+  return any(importlib.util.find_spec(name) is not None for name in _GPU_PLUGINS)
+
+
+def gpu_recovery_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+  """The variables a recoverable GPU job needs set (``GPU_RECOVERY_FLAGS`` in
+  ``XLA_FLAGS``, ``GPU_RECOVERY_ENV``), and the names of those it adds.
+
+  Args:
+    environ: the environment as it is (read only).
+
+  Raises:
+    ConfigError: ``XLA_FLAGS`` or the environment already sets one of them otherwise
+      (survivors would hang in NCCL), naming it and ``distributed.recoverable``.
+  """
+  flags = environ.get("XLA_FLAGS", "").split()
+  given = dict(f.split("=", 1) for f in flags if "=" in f)
+  added = []
+  for flag, value in GPU_RECOVERY_FLAGS.items():
+    if flag not in given:
+      flags.append(f"{flag}={value}")
+      added.append(f"{flag}={value}")
+    elif given[flag].lower() != value:
+      raise ConfigError(f"distributed.recoverable: XLA_FLAGS sets {flag}={given[flag]}, but a "
+                        f"recoverable GPU job needs {flag}={value} (JAX's fault-tolerance "
+                        "guide): survivors of a lost process would hang in NCCL")
+  update = {"XLA_FLAGS": " ".join(flags)}
+  for name, value in GPU_RECOVERY_ENV.items():
+    if name not in environ:
+      update[name] = value
+      added.append(f"{name}={value}")
+    elif environ[name] != value:
+      raise ConfigError(f"distributed.recoverable: {name}={environ[name]} is set, but a "
+                        f"recoverable GPU job needs {name}={value} (JAX's fault-tolerance "
+                        "guide)")
+  return update, added
+
+
+def initialize(settings: Settings) -> str | None:
   """Join the job: ``jax.distributed.initialize`` (gloo collectives on CPU).
 
   JAX's own heartbeat is set well above ``heartbeat_timeout_s`` so that the
   ``Heartbeat`` watchdog, which names the lost process, speaks first, and the
   survivors have time for a just-in-time checkpoint before JAX ends them. With
   ``recoverable``, ``jax_enable_recoverability`` is set first: JAX then ends no
-  survivor when it finds a process lost.
+  survivor when it finds a process lost; on GPU the NCCL settings of JAX's
+  fault-tolerance guide too (``gpu_recovery_environment``), before the backend
+  reads them. Returns the line saying what it set, or None.
+
+  Raises:
+    ConfigError: a setting that contradicts recoverable mode on GPU.
   """
   # CPU collectives across processes need gloo; harmless where another platform is used.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  note = None
   if settings.recoverable:
+    if expects_gpu():
+      update, added = gpu_recovery_environment(os.environ)
+      os.environ.update(update)
+      note = ("distributed.recoverable on GPU: "
+              + (", ".join(added) if added else "the NCCL settings were set already")
+              + " (collectives with a lost peer are cancelled, not waited on)")
     jax.config.update("jax_enable_recoverability", True)
   jax.distributed.initialize(
       settings.coordinator, settings.num_processes, settings.process_id,
       heartbeat_timeout_seconds=int(3 * settings.heartbeat_timeout_s + 30))
+  return note
 
 
 def ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
@@ -172,6 +239,7 @@ class Job:
   client: object | None = None  # the coordination service's key-value client
   recoverable: bool = False  # survivors of a lost process go on (distributed.recoverable)
   jit_checkpoint_s: float = 0.0  # else they write the last step first (0: they do not)
+  notes: tuple[str, ...] = ()  # lines for the run's log: what joining set
 
   def stop_agreement(self) -> StopAgreement | None:
     return StopAgreement(self.client) if self.multi_process else None
@@ -208,7 +276,7 @@ def join(distributed: Any) -> Job:
   settings = settings_from_config(distributed)
   if settings is None:
     return Job()
-  initialize(settings)
+  note = initialize(settings)
   from jax._src import distributed as jax_distributed  # the runtime's key-value client
 
   heartbeat = None
@@ -223,5 +291,6 @@ def join(distributed: Any) -> Job:
                           else None).start()
   _JOINED = Job(jax.process_index(), jax.process_count(), heartbeat,
                 settings.processes_per_domain, jax_distributed.global_state.client,
-                settings.recoverable, distributed.jit_checkpoint_s)
+                settings.recoverable, distributed.jit_checkpoint_s,
+                (note,) if note else ())
   return _JOINED

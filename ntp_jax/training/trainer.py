@@ -201,6 +201,8 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   plan_of = functools.partial(plan_for, config, model)
   plan = plan_of(config.ntp.failed)
   devices = check_devices(plan, job.processes_per_domain)
+  for note in job.notes:
+    log(note)
   if job.multi_process:
     mine = [i for i, d in enumerate(devices) if is_mine(d)]
     log(f"process {job.process_id} of {job.num_processes}: {len(jax.local_devices())} local "

@@ -4,6 +4,8 @@ import io
 import sys
 import time
 
+import pytest
+
 from ntp_jax.launch import _pump, is_chatter, strip_chatter
 
 CHATTER = ("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks "
@@ -59,3 +61,26 @@ def test_interleaved_pieces_of_two_chatter_lines_go_too():
   assert strip_chatter("3\n") == "3\n"  # a number of the program's own
   assert strip_chatter("step 2/8 | loss 7.6[Gloo] Rank 0 is connected to \n") == (
       "step 2/8 | loss 7.6\n")
+
+
+def test_recoverable_mode_on_gpu_adds_the_nccl_settings_and_refuses_contrary_ones():
+  from ntp_jax.errors import ConfigError
+  from ntp_jax.processes.distributed import (
+    GPU_RECOVERY_ENV,
+    GPU_RECOVERY_FLAGS,
+    expects_gpu,
+    gpu_recovery_environment,
+  )
+  assert expects_gpu({"JAX_PLATFORMS": "cuda"}) and not expects_gpu({"JAX_PLATFORMS": "cpu"})
+  update, added = gpu_recovery_environment({"XLA_FLAGS": "--xla_gpu_nccl_async_execution=true"})
+  flags = update["XLA_FLAGS"].split()
+  assert sorted(flags) == sorted(f"{k}={v}" for k, v in GPU_RECOVERY_FLAGS.items())
+  assert "--xla_gpu_nccl_async_execution=true" not in added  # it was there already
+  assert update["XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE"] == "1"
+  assert set(GPU_RECOVERY_ENV) <= set(update) and len(added) == 3
+  with pytest.raises(ConfigError, match=r"^distributed.recoverable: XLA_FLAGS sets "
+                     r"--xla_gpu_nccl_terminate_on_error=true, but .* needs "
+                     r"--xla_gpu_nccl_terminate_on_error=false"):
+    gpu_recovery_environment({"XLA_FLAGS": "--xla_gpu_nccl_terminate_on_error=true"})
+  with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE=0"):
+    gpu_recovery_environment({"XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "0"})
