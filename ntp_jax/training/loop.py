@@ -158,7 +158,7 @@ class TrainingRun:
     state.plan = plan
     if self.checkpoints is not None and jax.process_count() > 1:
       self._check_every_process_holds_a_piece(plan)  # from shapes: before anything is placed
-    split = self.guard.guarded(plan)
+    split = self.guard.arrives_before_sync(plan)
     state.programs = build_class_programs(plan, self.model.make, self.optimizer,
                                           self.config.train.clip_norm, self.global_tokens(plan),
                                           self.devices, source=source, cache=self.cache,
@@ -216,7 +216,7 @@ class TrainingRun:
       source = CheckpointShapes()
     return PlanPrograms(plan, self.model.make, self.optimizer, self.config.train.clip_norm,
                         self.global_tokens(plan), self.devices, cache=self.cache,
-                        loss=self.model.loss, split=self.guard.guarded(plan)).lower(
+                        loss=self.model.loss, split=self.guard.arrives_before_sync(plan)).lower(
                             self.config.train.seq_len, source, skip=self.cache.compiled_keys())
 
   def _wait_for_compile_ahead(self, timeout_s: float | None) -> bool:
@@ -385,7 +385,7 @@ class TrainingRun:
     busy = self.precompiler is not None and self.precompiler.busy
     start = time.perf_counter()
     self.guard.step_starts(state.compile_next)
-    if job_step.before_sync is not None:
+    if self.guard.arrives_at_start(plan):
       # The last step's loss was read from one device: its sync may still run on the others.
       # Arrive once it has ended on every local device, so that no collective across
       # processes is in flight while the peers are counted (a peer that dies then cannot

@@ -1,11 +1,14 @@
 """This process's watch over the others of a multi-process job, between steps.
 
-A plan over several processes whose every TP group lies in one process is
-*guarded*: each step waits for every process to arrive before its first
-program and before its gradient sync (``processes.arrival``), so a lost
-peer is met between collectives. The guard then either turns the loss into
-failure events for the run to apply (``distributed.recoverable``: the run
-goes on without the lost devices) or writes the last completed step as a
+In a plan over several processes every step waits for every process to arrive
+before its first program (``processes.arrival``), so a peer lost between
+steps is met outside any collective: in a TP group that spans processes (one
+process per GPU) as in a replica that lies in one. A plan whose every TP
+group lies in one process also waits before its gradient sync, so a peer lost
+during the step's gradients is met there too. The guard then either turns
+the loss into failure events for the run to apply (``distributed.recoverable``:
+a replica that lost some of its slots trains on at a reduced TP degree, one
+that lost them all is dropped) or writes the last completed step as a
 just-in-time checkpoint (``training.just_in_time``) and raises ``ProcessStop``
 with the exit status for ``train.py``. It never ends the process itself;
 only a watching thread does, when the main thread is held in a collective
@@ -56,7 +59,7 @@ class ProcessGuard:
 
   Args:
     job: this process's ``distributed.Job``; its heartbeat must offer losses to the main
-      thread (``takeover_s`` set), else no step is guarded.
+      thread (``takeover_s`` set), else no step waits for the others.
     devices: the job's devices, slot-major per replica (``trainer.check_devices``).
     log: one-line logger. event: ``(kind, **fields)`` (``metrics.MetricsWriter.event``).
   """
@@ -84,11 +87,16 @@ class ProcessGuard:
     return processes_of(self.devices[r.replica * plan.tp + s]
                         for r in plan.replicas for s in r.live_slots)
 
-  def guarded(self, plan: Plan) -> bool:
-    """Steps of ``plan`` check every process's arrival before their sync: a plan over
-    several processes whose every TP group lies in one (else the gradients themselves
-    cross processes, and a lost process holds the others in them)."""
-    if self.arrival is None or len(self.plan_processes(plan)) < 2:
+  def arrives_at_start(self, plan: Plan) -> bool:
+    """Steps of ``plan`` wait for every process before their first program: a plan over
+    several processes, with losses offered to this thread."""
+    return self.arrival is not None and len(self.plan_processes(plan)) > 1
+
+  def arrives_before_sync(self, plan: Plan) -> bool:
+    """Steps of ``plan`` also wait before their gradient sync (its gradient and update
+    halves apart): when every TP group lies in one process (else the gradients themselves
+    cross processes, and a peer lost inside them holds the others there)."""
+    if not self.arrives_at_start(plan):
       return False
     return all(len(processes_of(self.devices[r.replica * plan.tp + s] for s in r.live_slots)) == 1
                for r in plan.replicas)

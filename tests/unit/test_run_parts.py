@@ -86,9 +86,10 @@ class Heartbeat:
     return set(self.lost_processes)
 
 
-def guard_of_two_processes(**job_fields):
-  """Process 0's guard in a job of two processes, each driving one TP-4 replica."""
-  devices = [Device(i, i // 4) for i in range(8)]
+def guard_of_two_processes(per_process=4, **job_fields):
+  """Process 0's guard in a job of two processes that take ``per_process`` consecutive devices
+  of the two TP-4 replicas in turn (4: a replica each; 1: every TP group across both)."""
+  devices = [Device(i, (i // per_process) % 2) for i in range(8)]
   heartbeat, store = Heartbeat(), Store()
   job = Job(process_id=0, num_processes=2, heartbeat=heartbeat, client=store, **job_fields)
   logged, events = [], Events()
@@ -100,7 +101,8 @@ def guard_of_two_processes(**job_fields):
 
 def test_the_guard_waits_for_every_process_and_raises_when_one_is_lost():
   guard, plan, heartbeat, store, _, _ = guard_of_two_processes(recoverable=True)
-  assert guard.guarded(plan) and guard.plan_processes(plan) == {0, 1}
+  assert guard.arrives_at_start(plan) and guard.arrives_before_sync(plan)
+  assert guard.plan_processes(plan) == {0, 1}
   store.key_value_set(guard.arrival.key(3, 1, "start"), "1")
   guard.arrive(3, plan, "start")  # the peer is there: returns
   assert guard.arrival.key(3, 0, "start") in store.values
@@ -108,6 +110,11 @@ def test_the_guard_waits_for_every_process_and_raises_when_one_is_lost():
   with pytest.raises(ProcessLost) as lost:
     guard.arrive(3, plan, "sync")
   assert lost.value.processes == {1} and heartbeat.taken == 1
+
+
+def test_tp_groups_across_processes_wait_at_the_start_of_a_step_only():
+  guard, plan, *_ = guard_of_two_processes(per_process=1, recoverable=True)
+  assert guard.arrives_at_start(plan) and not guard.arrives_before_sync(plan)
 
 
 def test_a_recoverable_guard_turns_a_lost_process_into_failures_of_its_slots():
