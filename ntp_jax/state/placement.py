@@ -700,15 +700,8 @@ def place_logical(target: Any, mesh: Mesh, source: LogicalSource,
     source: fills the paths it has (see ``LogicalSource``).
     cache: where the programs are kept (default: a fresh ``ProgramCache``).
 
-  Returns:
-    ``(state, filled)``: the target tree with every leaf the source filled
-    replaced by a device array in the class sharding (blocks ``P('dp',
-    'tp')``, replicated variables ``P('dp')``, scalars ``P()``), and the set
-    of filled paths. Leaves the source does not have stay abstract.
-
-  Raises:
-    What the source's reads raise (e.g. ``ValueError`` for an ``ArraySource``
-    array of another shape).
+  Returns and raises as ``Placement.__call__`` (e.g. ``ValueError`` for an
+  ``ArraySource`` array of another shape).
   """
   return Placement(target, mesh, source, cache)()
 
