@@ -129,12 +129,34 @@ class TrainingRun:
 
   # -- building -------------------------------------------------------------------------------
 
-  def _check_every_process_holds_a_piece(self, plan: Plan) -> None:
+  def check_event_plans(self, events: Sequence[Event]) -> None:
+    """Before anything is placed: every plan the configured ``events`` lead to (in step
+    order, from the failed set at the start) must be one whose checkpoints every process
+    can write (``_check_every_process_holds_a_piece``), so that a run is not refused at its
+    first failure, many steps in.
+
+    Raises:
+      ConfigError: naming the event and the process that would hold no piece.
+    """
+    if self.checkpoints is None or jax.process_count() == 1:
+      return
+    failed = self.state.failed
+    for event in sorted(events):
+      pair = frozenset({(event.replica, event.slot)})
+      failed = failed | pair if event.kind == "fail" else failed - pair
+      try:
+        plan = self.make_plan(failed)
+      except (ValueError, ConfigError):
+        continue  # no live replica: the plan refuses it when the event comes
+      self._check_every_process_holds_a_piece(plan, f" after the event {event.describe()}")
+
+  def _check_every_process_holds_a_piece(self, plan: Plan, when: str = "") -> None:
     """orbax's collective save needs a piece of every array in every process.
 
     Raises:
-      ConfigError: a process would hold none on ``plan`` (named, with the fields to set);
-        the same in every process, so no process waits to hear of a lost peer.
+      ConfigError: a process would hold none on ``plan`` (named, with the fields to set,
+        and ``when`` the plan comes); the same in every process, so no process waits to
+        hear of a lost peer.
     """
     # The settings build_class_programs keys its shapes by: worked out once, used again there.
     settings = StepSettings(self.optimizer, self.config.train.clip_norm,
@@ -146,8 +168,8 @@ class TrainingRun:
     if missing:
       process, name = next(iter(missing.items()))
       raise ConfigError(
-          f"checkpoint.every: process {process} would hold no piece of {name} on this plan "
-          f"(its TP group spans processes and it holds only late slots), which orbax's "
+          f"checkpoint.every: process {process} would hold no piece of {name} on the plan"
+          f"{when} (its TP group spans processes and it holds only late slots), which orbax's "
           f"collective save needs; set checkpoint.every=0 or "
           f"distributed.processes_per_domain=1")
 

@@ -330,6 +330,7 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
                     hooks=default_hooks(config, log, writer, dataset, primary) + extra_hooks,
                     precompile=precompile_on(config, devices, log), job=job)
   try:
+    run.check_event_plans(start.events)  # from shapes: before anything is placed
     run.start(start.plan, start.source, start.step, start.cursor)
     plan, state = start.plan, run.state
     # Shapes only: slicing one replica's copy out of the stacked arrays would copy them.

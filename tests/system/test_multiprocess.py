@@ -101,6 +101,20 @@ def test_checkpoints_refused_where_a_process_would_hold_no_piece(tmp_path):
   assert "error: checkpoint.every: process 1 would hold no piece of" in done.stdout
 
 
+@pytest.mark.multiprocess
+def test_checkpoints_refused_at_start_where_an_event_leads_to_such_a_plan(tmp_path):
+  """TP 8 over two processes: healthy, each holds a piece of every array; once slot 6
+  fails, process 1 would not. Refused before the first step, not at step 10."""
+  done = _launch(2, tmp_path, "--config.train.steps=12", "--config.checkpoint.every=5",
+                 "--config.mesh.dp=1", "--config.mesh.tp=8", "--config.ntp.failed=",
+                 "--config.ntp.fail_at=10@0:6",
+                 "--config.distributed.processes_per_domain=2", timeout=180)
+  assert done.returncode == 2, done.stdout[-3000:]
+  assert ("error: checkpoint.every: process 1 would hold no piece of opt_state/0/mu/blocks/"
+          "attn/wk on the plan after the event fail 10@0:6") in done.stdout
+  assert "step 0" not in done.stdout  # no step ran
+
+
 def test_tp_group_across_hosts_needs_processes_per_domain():
   """4 processes of 2 devices, TP 4: a group spans two processes, one domain only if said so."""
   devices = [FakeDevice(id=i, process_index=i // 2) for i in range(8)]
