@@ -143,6 +143,12 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
     return 130
   for pump in pumps:
     pump.join(timeout=5)
+  aborted = sorted(i for i, c in codes.items() if i != 0 and c == 128 + signal.SIGABRT)
+  if first_failed == 0 and aborted:
+    print(f"[launch] process 0 hosted JAX's coordination service: losing it ended processes "
+          f"{aborted} (status {128 + signal.SIGABRT}, JAX's check failure above); the "
+          "checkpoints already written are complete (orbax commits a step whole): run the "
+          "job again to resume from the last one", file=sys.stderr, flush=True)
   if first_failed is None:
     return 0
   if run_on:  # the survivors' own statuses: 0 when every one of them finished

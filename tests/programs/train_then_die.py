@@ -3,7 +3,7 @@
   NTP_JAX_DIE_AFTER=P:S python tests/programs/train_then_die.py --config ... (train.py's flags)
 
 A lost host at a known point of the run: the step is complete everywhere (its
-sync is shared), and process 0 already waits at the next step's start, so the
+sync is shared), and a peer already waits at the next step's start, so the
 survivors meet the loss there (``processes.arrival``). Run by
 tests/system/test_multiprocess_recovery.py.
 """
@@ -30,10 +30,11 @@ class DieAfter(Hook):
 
   def on_step(self, info) -> None:
     if info.step == self.step and jax.process_index() == self.process:
-      # Once process 0 waits at the next step's start: no collective of this step is still
+      # Once a peer waits at the next step's start: no collective of this step is still
       # running there (a kill inside one cannot be survived on gloo; docs/multihost.md).
       from jax._src import distributed as jax_distributed  # the coordination service's client
-      key = arrival_key(0, self.step + 1, 0, "start")  # epoch 0: no process lost before
+      peer = 1 if self.process == 0 else 0  # epoch 0: no process lost before
+      key = arrival_key(0, self.step + 1, peer, "start")
       jax_distributed.global_state.client.blocking_key_value_get(key, 60_000)
       os.kill(os.getpid(), signal.SIGKILL)
 

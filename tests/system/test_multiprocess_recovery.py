@@ -174,3 +174,26 @@ def test_a_failure_in_a_tp_group_over_two_processes_recovers_live(tmp_path):
   recovered = [r for r in records if r.get("event") == "recovered"]
   assert [r["path"] for r in recovered] == ["live"]
   assert {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}[3] == [3, 4]
+
+
+def test_the_coordinators_loss_ends_the_job_and_a_rerun_resumes_from_the_last_checkpoint(
+    tmp_path):
+  """Process 0 hosts JAX's coordination service: when it dies, JAX ends the other processes
+  (a check failure, SIGABRT) at once; the launcher says so in one line, the checkpoints
+  already written are whole, and running the job again resumes exactly."""
+  expected, _ = _reference(tmp_path, "one")
+  workdir = tmp_path / "two"
+  settings = {**BASE, "checkpoint.every": 3, "distributed.heartbeat_timeout_s": HEARTBEAT_S}
+  start = time.monotonic()
+  done = _launch(2, workdir, settings, program="tests/programs/train_then_die.py",
+                 env={"NTP_JAX_DIE_AFTER": "0:6"}, timeout=300)
+  assert done.returncode == 137, done.stdout[-3000:] + done.stderr[-2000:]
+  assert "[launch] process 0 hosted JAX's coordination service: losing it ended processes " \
+         "[1] (status 134" in done.stderr, done.stderr[-2000:]
+  assert time.monotonic() - start < 240
+  checkpoints = sorted(p for p in os.listdir(workdir / "checkpoints") if p.isdigit())
+  assert checkpoints[-1] == "6", checkpoints  # step 6's save may be the last, and whole
+  again = _launch(2, workdir, settings, timeout=300)
+  assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+  assert "resuming from step 6" in again.stdout
+  _equal_losses(workdir, expected)
