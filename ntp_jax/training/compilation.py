@@ -21,6 +21,8 @@ import threading
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from ntp_jax.errors import ConfigError
+
 # jax.monitoring events of one compilation: lowering to MLIR, then the XLA compile (or a
 # persistent-cache load). Tracing is left out: shape inference (jax.eval_shape) traces too.
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -49,6 +51,19 @@ def compile_seconds() -> float:
 _chosen: str | None = None  # the folder set_up_cache chose (not the environment's)
 
 
+def make_folder(path: str, field: str) -> None:
+  """Create the folder ``path`` (and its parents) if missing.
+
+  Raises:
+    ConfigError: it cannot be a folder (a file is there, no permission, ...), naming
+      ``field`` (the config field that gave it).
+  """
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as err:
+    raise ConfigError(f"{field}: {path} cannot be a folder ({err.strerror})") from None
+
+
 def set_up_cache(setting: str, workdir: str) -> str | None:
   """Point JAX's persistent compilation cache where ``compile.cache_dir`` says; returns the
   folder, or None when off.
@@ -58,6 +73,9 @@ def set_up_cache(setting: str, workdir: str) -> str | None:
   ``"none"``: off. In a folder chosen here every program is cached, however
   quick its compile, so a restart loads all of them. A later call may move
   the process's cache to another folder.
+
+  Raises:
+    ConfigError: the folder cannot be created, naming ``compile.cache_dir`` or ``workdir``.
   """
   global _chosen
   current = jax.config.jax_compilation_cache_dir
@@ -77,7 +95,7 @@ def set_up_cache(setting: str, workdir: str) -> str | None:
     jax.config.update("jax_compilation_cache_dir", folder)
   _chosen = folder
   if folder is not None and folder != environment:
-    os.makedirs(folder, exist_ok=True)
+    make_folder(folder, "compile.cache_dir" if setting else "workdir")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return folder

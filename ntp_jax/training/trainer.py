@@ -31,7 +31,7 @@ from ntp_jax.processes.distributed import Job, check_domains, join, ordered_devi
 from ntp_jax.resilience.signals import StopSignals
 from ntp_jax.sharding.topology import is_mine
 from ntp_jax.state.checkpoint import Checkpoints
-from ntp_jax.training.compilation import set_up_cache
+from ntp_jax.training.compilation import make_folder, set_up_cache
 from ntp_jax.training.config import RunConfig, as_run_config
 from ntp_jax.training.footprint import ClassFootprint
 from ntp_jax.training.hooks import (
@@ -188,6 +188,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   config = as_run_config(config)
   user_hooks = [as_hook(h) for h in hooks]
   job = join(config.distributed)  # several processes: jax.distributed first, before computing
+  make_folder(config.workdir, "workdir")
   # Before anything compiles: a restart loads what this run compiled.
   set_up_cache(config.compile.cache_dir, config.workdir)
   # Process 0 speaks for the job; the others say only where they are.

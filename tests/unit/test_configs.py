@@ -105,3 +105,14 @@ def test_parsed_values_flow_inward():
   assert run.ntp.slot_weights == (1.0, 1.0, 0.5, 1.0)
   assert [e.describe() for e in run.ntp.events] == ["fail 7.mid@1:0", "repair 9@1:0"]
   assert run.checkpoint.dir == f"{config.workdir}/checkpoints"
+
+
+def test_a_folder_that_cannot_be_made_is_one_line_naming_its_field(tmp_path):
+  from ntp_jax.training.compilation import make_folder
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(ConfigError, match=r"^workdir: .*a_file cannot be a folder \(File exists\)$"):
+    make_folder(str(tmp_path / "a_file"), "workdir")
+  with pytest.raises(ConfigError, match=r"^compile.cache_dir: .*a_file/x cannot be a folder"):
+    make_folder(str(tmp_path / "a_file" / "x"), "compile.cache_dir")
+  make_folder(str(tmp_path / "new" / "deep"), "workdir")
+  assert (tmp_path / "new" / "deep").is_dir()
