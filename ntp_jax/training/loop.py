@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -21,7 +21,7 @@ import numpy as np
 from ntp_jax.errors import ConfigError
 from ntp_jax.model import ModelSpec
 from ntp_jax.parallel.job_step import JobStep
-from ntp_jax.parallel.plan import Plan, micro_batch_text, reachable_failed_sets
+from ntp_jax.parallel.plan import Plan, make_plan, micro_batch_text, reachable_failed_sets
 from ntp_jax.parallel.programs import (
   PlanPrograms,
   ProgramCache,
@@ -70,6 +70,13 @@ class DatasetRows:
     return self.dataset.sequences(self.cursor + start, stop - start)
 
 
+def plan_for(config: RunConfig, model: ModelSpec, failed: frozenset[tuple[int, int]]) -> Plan:
+  """The plan of ``config``'s mesh, weights, batch and policy with ``failed`` slots."""
+  return make_plan(model.layouts, tp=config.mesh.tp, dp=config.mesh.dp, failed=failed,
+                   slot_weights=config.ntp.slot_weights, batch_size=config.train.batch_size,
+                   rebalance=config.ntp.rebalance, microbatches=config.train.microbatches)
+
+
 class TrainingRun:
   """One run between its start and its end: steps, hooks, failures and repairs.
 
@@ -80,9 +87,8 @@ class TrainingRun:
 
   Args:
     config: the run's ``training.config.RunConfig``.
-    model: the ``ModelSpec`` (its ``make``, ``loss`` and ``initial_source``: the
-      parameters a fresh start, or a restart with no checkpoint, begins from).
-    make_plan: ``failed (replica, slot) pairs -> Plan``.
+    model: the ``ModelSpec`` (its layouts, ``make``, ``loss`` and ``initial_source``:
+      the parameters a fresh start, or a restart with no checkpoint, begins from).
     optimizer: the optax transformation.
     devices: the job's devices (slot-major per replica).
     dataset: the training data (``sequences(cursor, count)``).
@@ -100,11 +106,11 @@ class TrainingRun:
       its devices) or its last completed step written (``jit_checkpoint_s``).
   """
 
-  def __init__(self, config: RunConfig, model: ModelSpec, *,
-               make_plan: Callable[[frozenset], Plan], optimizer, devices, dataset,
+  def __init__(self, config: RunConfig, model: ModelSpec, *, optimizer, devices, dataset,
                checkpoints, writer, log, failed: frozenset[tuple[int, int]],
                hooks: Sequence[Hook] = (), precompile: bool = False, job: Job | None = None):
-    self.config, self.model, self.make_plan, self.optimizer = config, model, make_plan, optimizer
+    self.config, self.model, self.optimizer = config, model, optimizer
+    self.make_plan = functools.partial(plan_for, config, model)  # failed set -> plan
     self.devices, self.dataset, self.checkpoints = devices, dataset, checkpoints
     self.writer, self.log, self.job, self.hooks = writer, log, job, list(hooks)
     self.state = RunState(frozenset(failed))

@@ -25,7 +25,7 @@ from ntp_jax.data.tokenizer import copy_file
 from ntp_jax.errors import ConfigError
 from ntp_jax.layers.shard import replica_view
 from ntp_jax.model import ModelSpec, load_model_spec
-from ntp_jax.parallel.plan import Plan, make_plan
+from ntp_jax.parallel.plan import Plan
 from ntp_jax.parallel.sync import sync_traffic
 from ntp_jax.processes.distributed import Job, check_domains, join, ordered_devices
 from ntp_jax.resilience.signals import StopSignals
@@ -46,7 +46,7 @@ from ntp_jax.training.hooks import (
   TensorBoardHook,
   as_hook,
 )
-from ntp_jax.training.loop import TrainingRun
+from ntp_jax.training.loop import TrainingRun, plan_for
 from ntp_jax.training.metrics import MetricsWriter, TensorBoardWriter
 from ntp_jax.training.optim import make_optimizer
 from ntp_jax.training.process_guard import ProcessStop, end_after_grace
@@ -288,13 +288,6 @@ def precompile_on(config: RunConfig, devices: Sequence[jax.Device], log) -> bool
   return on
 
 
-def plan_for(config: RunConfig, model: ModelSpec, failed: frozenset[tuple[int, int]]) -> Plan:
-  """The plan of ``config``'s mesh, weights, batch and policy with ``failed`` slots."""
-  return make_plan(model.layouts, tp=config.mesh.tp, dp=config.mesh.dp, failed=failed,
-                   slot_weights=config.ntp.slot_weights, batch_size=config.train.batch_size,
-                   rebalance=config.ntp.rebalance, microbatches=config.train.microbatches)
-
-
 def default_hooks(config: RunConfig, run_log, writer: MetricsWriter, dataset,
                   primary: bool) -> list[Hook]:
   """The trainer's own hooks, in order: checkpoint, validation, goodput, metrics file,
@@ -325,8 +318,7 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
   log(dataset.describe())
   primary = jax.process_index() == 0  # process 0 writes the metrics, the events, the plot
   writer = MetricsWriter(config.workdir, enabled=primary)
-  run = TrainingRun(config, model, make_plan=functools.partial(plan_for, config, model),
-                    optimizer=optimizer, devices=devices, dataset=dataset,
+  run = TrainingRun(config, model, optimizer=optimizer, devices=devices, dataset=dataset,
                     checkpoints=checkpoints, writer=writer, log=log, failed=start.failed,
                     hooks=default_hooks(config, log, writer, dataset, primary) + extra_hooks,
                     precompile=precompile_on(config, devices, log), job=job)

@@ -21,9 +21,10 @@ from ntp_jax.training.footprint import (
   device_bytes,
   host_memory_available,
 )
+from ntp_jax.training.loop import plan_for
 from ntp_jax.training.optim import make_optimizer
 from ntp_jax.training.resources import footprint
-from ntp_jax.training.trainer import plan_for, train
+from ntp_jax.training.trainer import train
 
 GIB = 2 ** 30
 
