@@ -8,7 +8,7 @@ gpt_tiny as 2 processes x 4 CPU devices (``python -m ntp_jax.launch``), dp=2 tp=
   moves from DP peers across processes (``ntp.recovery=live``). From the end of
   step ``at - 1`` to the end of step ``at`` on the new plan.
 - *just-in-time*: process 1 is SIGKILLed after step ``at - 1``
-  (``tests/programs/train_then_die.py``); process 0 finds it lost (heartbeat),
+  (``tests/programs/train_with_hooks.py``); process 0 finds it lost (heartbeat),
   writes step ``at`` and stops; a one-process restart on the four devices left
   (``mesh.dp=1``) resumes there. From the end of step ``at - 1`` to the end of
   step ``at`` in the restart.
@@ -106,7 +106,7 @@ def main():
                          {"checkpoint.every": 10, "distributed.jit_checkpoint_s": 0})):
       work = os.path.join(tmp, name.split()[0])
       settings = {**base, **extra}
-      done = _launch(work, settings, program="tests/programs/train_then_die.py", env=die)
+      done = _launch(work, settings, program="tests/programs/train_with_hooks.py", env=die)
       lost_at = _step_times(_rows(work))[at - 1]
       saved = sorted(int(p) for p in os.listdir(os.path.join(work, "checkpoints")) if p.isdigit())
       _restart(work, settings)
@@ -120,7 +120,7 @@ def main():
     work = os.path.join(tmp, "recoverable")
     done = _launch(work, {**base, "checkpoint.every": 1000, "distributed.recoverable": True,
                           "ntp.rebalance": "constant"},
-                   program="tests/programs/train_then_die.py", launcher=["--run-on"], env=die)
+                   program="tests/programs/train_with_hooks.py", launcher=["--run-on"], env=die)
     if done.returncode != 0:
       raise SystemExit(done.stdout[-3000:])
     rows = _rows(work)

@@ -91,7 +91,8 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
       (they name the lost process and may write a just-in-time checkpoint,
       ``distributed.jit_checkpoint_s``) before they are stopped.
     run_on: never stop the others after a failure (``distributed.recoverable``: they go
-      on without the failed process); the status is then the survivors'.
+      on without the failed processes, each said in one line); the status is then the
+      survivors': 0 when a process finished, else the status of the last to end.
     port: the coordinator's port (default: a free one).
 
   Returns:
@@ -131,8 +132,9 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
           continue
         running.discard(i)
         codes[i] = code if code >= 0 else 128 - code
-        if codes[i] != 0 and first_failed is None:
-          first_failed, failed_at = i, time.monotonic()
+        if codes[i] != 0 and (first_failed is None or run_on):
+          if first_failed is None:
+            first_failed, failed_at = i, time.monotonic()
           then = ("the others run on" if run_on else
                   f"the others have {survivor_s:g} s to end by themselves")
           print(f"[launch] process {i} exited with status {codes[i]}; {then}",
@@ -151,8 +153,8 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
           "job again to resume from the last one", file=sys.stderr, flush=True)
   if first_failed is None:
     return 0
-  if run_on:  # the survivors' own statuses: 0 when every one of them finished
-    return next((c for i, c in codes.items() if i != first_failed and c != 0), 0)
+  if run_on:  # the survivors': 0 when one finished, else the last one's
+    return 0 if 0 in codes.values() else list(codes.values())[-1]
   return codes[first_failed]
 
 

@@ -279,9 +279,10 @@ class PlanPrograms:
     Args:
       seq_len: tokens per sequence (the batch is int32 ``[class rows, seq_len + 1]``;
         ``global_tokens`` should be ``plan.global_batch * seq_len``).
-      source: the state moved onto the plan (one process: live DP peers, a checkpoint's
-        shapes); its placements are included (``Placement.lower``; left out when the
-        source cannot tell them). None: no state move.
+      source: the state moved onto the plan (live DP peers, a checkpoint's shapes); its
+        placements are included (``Placement.lower``; left out when the source cannot
+        tell them). Several processes: first the moves that make the state span them
+        (``LogicalSource.over_processes`` with ``run=False``). None: no state move.
       skip: cache keys of steps and syncs compiled already (a class shared by several
         reachable plans): left out.
 
@@ -291,6 +292,19 @@ class PlanPrograms:
       classes with a device in this process.
     """
     moves, steps, blocks = [], [], []
+    if source is not None and jax.process_count() > 1 and not source.spans_processes:
+      # As build: the state spans the processes first, the source's own way (its moves
+      # planned, not run); a source that reads over every process runs no program of ours
+      # before the placements, but cannot tell them without reading: left out.
+      try:
+        spanning = source.over_processes(self.shapes.targets[0][1], self.shapes.meshes,
+                                         self.shapes.t_min, run=False)
+      except LookupError:  # no live copy of some piece: that recovery restores a checkpoint
+        spanning = None
+      if spanning is not None:
+        moves += [("state move (across processes)", None, lowered)
+                  for lowered in spanning.lower()]
+      source = spanning
     for i, (replica_class, mesh, (_, target)) in enumerate(
         zip(self.plan.classes, self.shapes.meshes, self.shapes.targets)):
       if not holds_mine(mesh):
@@ -399,13 +413,16 @@ def logical_state(programs: list[ClassProgram], cache: ProgramCache | None = Non
                       cache=cache)
 
 
-def live_rows(program: ClassProgram, processes: Collection[int]) -> ClassProgram | None:
+def live_rows(program: ClassProgram, processes: Collection[int], *,
+              shapes_only: bool = False) -> ClassProgram | None:
   """``program``'s state cut to the replicas whose devices all belong to ``processes`` (the
   live ones), on a mesh of those rows only: no program run on it touches a lost process.
   None when no replica is left. The step is dropped (the state is for moving, not training).
 
   Each array keeps its sharding's spec; a replica-stacked leaf keeps the rows' blocks, a
-  replicated one its copies; nothing is copied. Abstract where another process holds the rows.
+  replicated one its copies; nothing is copied. Abstract where another process holds the
+  rows, and everywhere with ``shapes_only`` (``jax.ShapeDtypeStruct``s with the cut
+  shardings: for lowering the moves of a loss ahead of it, no buffer touched).
   """
   rows = [r for r, row in enumerate(program.mesh.devices)
           if processes_of(row) <= set(processes)]
@@ -420,6 +437,8 @@ def live_rows(program: ClassProgram, processes: Collection[int]) -> ClassProgram
     stacked = isinstance(getattr(x, "sharding", None), NamedSharding) and (
         len(x.sharding.spec) > 0 and x.sharding.spec[0] == DP)
     shape = (len(rows),) + tuple(x.shape[1:]) if stacked else tuple(x.shape)
+    if shapes_only and isinstance(getattr(x, "sharding", None), NamedSharding):
+      return jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(sub, x.sharding.spec))
     if not isinstance(x, jax.Array):
       return jax.ShapeDtypeStruct(shape, x.dtype)
     by_device = {s.device: s.data for s in x.addressable_shards}

@@ -187,9 +187,11 @@ class PeerSource(BaseSource):
     self._leaves[id(program)] = {leaf.path: leaf for leaf in leaves}
     self._node_index[id(program)] = {leaf.path: node for leaf, node in zip(leaves, nodes)}
 
-  def over_processes(self, target: Any, meshes: list, t_min: int) -> CrossProcessPeers:
+  def over_processes(self, target: Any, meshes: list, t_min: int, *, run: bool = True
+                     ) -> CrossProcessPeers:
     """A multi-process job: the new plan's state spanning its replicas, moved from the live
-    old classes in one program over the live devices (``peer_transfer``).
+    old classes in one program over the live devices (``peer_transfer``). ``run=False``:
+    the moves planned and their programs made, nothing run (``CrossProcessPeers.lower``).
 
     Raises:
       LookupError: some piece has no live copy (then the caller restores a checkpoint).
@@ -197,9 +199,11 @@ class PeerSource(BaseSource):
     devices = self.devices if self.devices is not None else jax.devices()
     live = [d for d in devices if d not in self.dead]
     moved = CrossProcessPeers(self.programs, self.dead, live, target, meshes, t_min, self.cache)
+    if not run:
+      return moved
     self.copied_bytes += moved.copied_bytes
     self.crossed_bytes = moved.crossed_bytes
-    return moved
+    return moved.move()
 
   def pieces(self, leaf: Leaf) -> int:
     """Even pieces for ``leaf``: a split the source class and every target class can hold."""

@@ -20,6 +20,11 @@ are one collective program over every live device of the job:
    (``spanning.spanning_sharding``), from which every class is placed as in
    a restore (``spanning.SpanningArrays``).
 
+The schedule and every program of the move are decided from metadata (the old
+classes' shapes and shardings, the dead devices, the new plan), so the same
+moves can be lowered ahead of a failure (``CrossProcessPeers.lower``) and then
+run without compiling (``CrossProcessPeers.move``).
+
 A failed device is never read and never takes part: it is left out of the
 program's mesh. Source: the reduced TP degree after a failure is Arfeen et
 al., arXiv:2504.06095, Sec. 3-4; the cross-host move from DP peers is our own.
@@ -34,21 +39,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.program_cache import ProgramCache
 from ntp_jax.sharding.topology import holds_mine, is_mine
 from ntp_jax.state.peer_supply import piece_sources
 from ntp_jax.state.placement import (
+  EvenPieces,
   Leaf,
   Path,
-  copy_of_replica,
+  PerDeviceMap,
   drop_lead,
-  even_pieces_of,
   leaves_of,
   per_device,
-  per_device_map,
 )
 from ntp_jax.state.spanning import SpanningArrays, job_pieces, spanning_sharding
 
@@ -139,11 +143,186 @@ def _permute_body(mesh: Mesh, perms: tuple[tuple[tuple[tuple[int, int], ...], ..
                                out_specs=(spec,) * len(perms)))
 
 
+def first_row(x: jax.Array) -> jax.Array:
+  """A replica-stacked leaf's ``[1, *shape]`` buffer on one device, as ``shape``."""
+  return x[0]
+
+
+def fresh_copy(x: jax.Array) -> jax.Array:
+  """A copy of a bare leaf's buffer (the old step would donate the original)."""
+  return jnp.copy(x)
+
+
+def stack_rounds(parts: list[jax.Array]) -> jax.Array:
+  """One device's pieces of one leaf, one per round, as ``[1, rounds, *piece]``."""
+  return jnp.stack(parts)[None]
+
+
+def unstack_rounds(x: jax.Array) -> list[jax.Array]:
+  """``[1, rounds, *piece]`` back to one piece per round."""
+  return [x[0, r] for r in range(x.shape[1])]
+
+
+def _on(device: jax.Device, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=SingleDeviceSharding(device))
+
+
+class _HeldPieces:
+  """The pieces this process's devices send or keep, cut from the old classes it holds:
+  each class's split leaves moved to their even pieces (``placement.EvenPieces``), then
+  every piece (and every unsplit leaf's copy) taken off its block, one program per device.
+
+  Built from shapes and shardings only; calling it reads the old state and returns
+  ``(path, piece, device) -> buffer``.
+  """
+
+  def __init__(self, programs: list, leaves: list[Leaf], k: dict[Path, int],
+               moves: list[Move], cache: ProgramCache):
+    sources = {(m.path, m.piece, m.source) for m in moves if is_mine(m.source)}
+    split = {leaf.path: k[leaf.path] for leaf in leaves if leaf.layout is not None}
+    self._cuts: list[EvenPieces] = []
+    self._split_keys: dict[tuple, tuple[int, Path, Any]] = {}  # key -> (cut, path, device)
+    self._unsplit_keys: dict[tuple, tuple[Any, Any]] = {}  # key -> (value, device)
+    lift, rows, copies = {}, {}, {}
+    for program in programs:
+      if not holds_mine(program.mesh):
+        continue
+      cut = EvenPieces({"params": program.params, "opt_state": program.opt_state},
+                       program.mesh, split, cache)
+      self._cuts.append(cut)
+      for leaf, node in zip(cut.leaves, cut.nodes):
+        if leaf.layout is not None:
+          for row in program.mesh.devices:
+            for j in range(leaf.pieces):
+              key = (leaf.path, j, row[j])
+              if key in sources:
+                lift[key] = _on(row[j], (1, 1) + leaf.piece_shape, leaf.dtype)
+                self._split_keys[key] = (len(self._cuts) - 1, leaf.path, row[j])
+          continue
+        value = node.get_value() if leaf.stacked else node
+        shard = value.sharding.shard_shape(value.shape)  # [1, *shape] when stacked
+        for row in program.mesh.devices:
+          for device in row:
+            key = (leaf.path, 0, device)
+            if key in sources and key not in self._unsplit_keys:
+              (rows if leaf.stacked else copies)[key] = _on(device, shard, value.dtype)
+              self._unsplit_keys[key] = (value, device)
+    self._lift = PerDeviceMap(drop_lead, lift, cache)
+    self._rows = PerDeviceMap(first_row, rows, cache)
+    self._copies = PerDeviceMap(fresh_copy, copies, cache)
+
+  def lower(self) -> list[jax.stages.Lowered]:
+    return [lowered for op in (*self._cuts, self._lift, self._rows, self._copies)
+            for lowered in op.lower()]
+
+  def __call__(self) -> dict[tuple[Path, int, Any], jax.Array]:
+    moved = [cut() for cut in self._cuts]
+    by_device: dict[tuple[int, Path], dict] = {}
+    lifted = {}
+    for key, (cut, path, device) in self._split_keys.items():
+      if (cut, path) not in by_device:
+        by_device[(cut, path)] = per_device(moved[cut][path])
+      lifted[key] = by_device[(cut, path)][device]
+    have = self._lift(lifted)
+    unsplit = {key: per_device(value)[device]
+               for key, (value, device) in self._unsplit_keys.items()}
+    have.update(self._rows({key: unsplit[key] for key in self._rows.keys}))
+    have.update(self._copies({key: unsplit[key] for key in self._copies.keys}))
+    return have
+
+
+class _Crossing:
+  """The moves between processes: one ``ppermute`` program over the live devices, with one
+  program per device stacking each leaf's pieces by round before it and one taking them
+  apart after. Built from the schedule only; calling it with the held pieces returns what
+  this process's devices received, ``(path, piece, target) -> buffer``."""
+
+  def __init__(self, moves: list[Move], pieces: dict[Path, Leaf], live: list[jax.Device],
+               cache: ProgramCache):
+    crossing = [m for m in moves if m.source.process_index != m.target.process_index]
+    self.active = bool(crossing) and holds_mine(live)
+    if not self.active:
+      return
+    index = {d: i for i, d in enumerate(live)}
+    self._live = live
+    mesh = Mesh(np.array(live, dtype=object), (AXIS,))
+    self._sharding = NamedSharding(mesh, P(AXIS))
+    self._schedule = []  # (path, rounds, by_pair)
+    self._parts: dict[tuple[Path, Any], list] = {}  # (path, device) -> held key or None per round
+    self._zeros: dict[Path, tuple[tuple[int, ...], Any]] = {}
+    stacks, received, self._inputs, perms, shapes = {}, {}, [], [], []
+    for path in dict.fromkeys(m.path for m in crossing):
+      leaf = pieces[path]
+      piece = leaf.piece_shape
+      by_pair = {(index[m.source], index[m.target]): m for m in crossing if m.path == path}
+      rounds = rounds_of(list(by_pair))
+      at = {(r, s): by_pair[(s, t)] for r, pairs in enumerate(rounds) for s, t in pairs}
+      receivers = {t for pairs in rounds for _, t in pairs}
+      for device in live:
+        if not is_mine(device):
+          continue
+        moves_out = [at.get((r, index[device])) for r in range(len(rounds))]
+        self._parts[(path, device)] = [None if m is None else (path, m.piece, device)
+                                       for m in moves_out]
+        stacks[(path, device)] = [_on(device, piece, leaf.dtype)] * len(rounds)
+        if index[device] in receivers:
+          received[(path, device)] = _on(device, (1, len(rounds)) + piece, leaf.dtype)
+      self._zeros[path] = (piece, leaf.dtype)
+      self._inputs.append(jax.ShapeDtypeStruct((len(live), len(rounds)) + piece, leaf.dtype,
+                                               sharding=self._sharding))
+      perms.append(tuple(tuple(pairs) for pairs in rounds))
+      shapes.append((piece, np.dtype(leaf.dtype).name))
+      self._schedule.append((path, rounds, by_pair))
+    self._stack = PerDeviceMap(stack_rounds, stacks, cache)
+    self._permute = permute_program(cache, mesh, tuple(shapes), tuple(perms))
+    self._unstack = PerDeviceMap(unstack_rounds, received, cache)
+
+  def lower(self) -> list[jax.stages.Lowered]:
+    if not self.active:
+      return []
+    return [*self._stack.lower(), self._permute.lower(*self._inputs), *self._unstack.lower()]
+
+  def __call__(self, have: dict[tuple[Path, int, Any], jax.Array]
+               ) -> dict[tuple[Path, int, Any], jax.Array]:
+    if not self.active:
+      return {}
+    parts = {}
+    for (path, device), keys in self._parts.items():
+      shape, dtype = self._zeros[path]
+      # A round this device sends nothing in: zeros from the host (no program).
+      parts[(path, device)] = [have[key] if key is not None
+                               else jax.device_put(np.zeros(shape, dtype), device)
+                               for key in keys]
+    stacked = self._stack(parts)  # (path, device) -> [1, rounds, *piece]
+    inputs = [jax.make_array_from_single_device_arrays(
+        spec.shape, self._sharding, [stacked[(path, d)] for d in self._live if is_mine(d)])
+        for (path, _, _), spec in zip(self._schedule, self._inputs)]
+    outputs = self._permute(*inputs)
+    by_device = {}
+    for (path, _, _), out in zip(self._schedule, outputs):
+      shards = per_device(out)
+      by_device.update({(path, d): shards[d] for p, d in self._unstack.keys if p == path})
+    taken = self._unstack(by_device)  # (path, device) -> one piece per round
+    received = {}
+    for path, rounds, by_pair in self._schedule:
+      for r, pairs in enumerate(rounds):
+        for s, t in pairs:
+          target = self._live[t]
+          if is_mine(target):
+            received[(path, by_pair[(s, t)].piece, target)] = taken[(path, target)][r]
+    return received
+
+
 class CrossProcessPeers(SpanningArrays):
   """The job's logical state spanning the new plan, moved from the live old classes.
 
+  Construction plans the moves and makes their programs from metadata only; ``move()``
+  runs them (every live process must call it: the moves between processes are one
+  collective), ``lower()`` lowers them for compiling ahead.
+
   Args:
-    programs: the old plan's class programs (abstract where another process holds them).
+    programs: the old plan's class programs (abstract where another process holds them;
+      abstract everywhere when only lowering).
     dead: devices that failed (never read, not in the program).
     live_devices: every device of the job that is alive (the program's mesh).
     target: the new plan's first class's abstract state (names the logical leaves).
@@ -152,8 +331,8 @@ class CrossProcessPeers(SpanningArrays):
     cache: where the programs are kept (default: a fresh ``ProgramCache``).
 
   Attributes:
-    copied_bytes: bytes that changed device (every process, the same count).
-    crossed_bytes: of those, bytes that changed process.
+    copied_bytes: bytes that change device (every process, the same count).
+    crossed_bytes: of those, bytes that change process.
 
   Raises:
     LookupError: some piece has no live copy (the caller restores a checkpoint).
@@ -162,6 +341,8 @@ class CrossProcessPeers(SpanningArrays):
   def __init__(self, programs: list, dead: set, live_devices: Sequence[jax.Device],
                target: Any, meshes: Sequence[Mesh], t_min: int,
                cache: ProgramCache | None = None):
+    if not programs:
+      raise LookupError("no replica of the old plan is left on the live processes")
     old_t_min = min(p.mesh.devices.shape[1] for p in programs)
     # Every old class can cut k pieces and every new class can hold them.
     super().__init__({}, min(t_min, old_t_min), cache)
@@ -191,120 +372,54 @@ class CrossProcessPeers(SpanningArrays):
         else:
           wanted.setdefault((leaf.path, 0), []).extend(row)
     moves = choose_moves(holders, wanted)
-    by_path = {leaf.path: leaf for leaf in leaves}
-    pieces = {p: dataclasses.replace(leaf, k=k[p]) for p, leaf in by_path.items()}
+    pieces = {leaf.path: dataclasses.replace(leaf, k=k[leaf.path]) for leaf in leaves}
     piece_bytes = {p: int(np.prod(leaf.piece_shape)) * leaf.dtype.itemsize
                    for p, leaf in pieces.items()}
     self.copied_bytes = sum(piece_bytes[m.path] for m in moves if m.source != m.target)
     self.crossed_bytes = sum(piece_bytes[m.path] for m in moves
                              if m.source.process_index != m.target.process_index)
-    self._moves = moves
-    have = self._held_pieces(programs, leaves, k, moves, self.cache)
-    received = self._cross(moves, have, by_path, k, list(live_devices), self.cache)
-    self._arrays = self._assemble(leaves, k, new_rows, moves, have, received)
-    self._paths = set(self._arrays)
+    self._moves, self._leaves, self._k, self._new_rows = moves, leaves, k, new_rows
+    self._paths = set(pieces)
+    self._spans = {leaf.path: leaf.abstract(spanning_sharding(leaf, new_rows, k[leaf.path]))
+                   for leaf in leaves}
+    self._held = _HeldPieces(programs, leaves, k, moves, self.cache)
+    self._crossing = _Crossing(moves, pieces, list(live_devices), self.cache)
+    self._moved = False
 
   def describe(self) -> str:
     return "live DP peers, across processes"
 
-  @staticmethod
-  def _held_pieces(programs, leaves: list[Leaf], k: dict[Path, int], moves: list[Move],
-                   cache: ProgramCache) -> dict[tuple[Path, int, Any], jax.Array]:
-    """``(path, piece, device) -> buffer`` of every piece this process sends or keeps."""
-    sources = {(m.path, m.piece, m.source) for m in moves if is_mine(m.source)}
-    have: dict[tuple[Path, int, Any], jax.Array] = {}
-    for program in programs:
-      if not holds_mine(program.mesh):
-        continue
-      state = {"params": program.params, "opt_state": program.opt_state}
-      split = {leaf.path: k[leaf.path] for leaf in leaves if leaf.layout is not None}
-      class_leaves, nodes, moved = even_pieces_of(state, program.mesh, split, cache)
-      lifted = {}
-      for leaf in class_leaves:
-        if leaf.layout is None:
-          continue
-        by_device = per_device(moved[leaf.path])
-        for row in program.mesh.devices:
-          for j in range(k[leaf.path]):
-            if (leaf.path, j, row[j]) in sources:
-              lifted[(leaf.path, j, row[j])] = by_device[row[j]]
-      have.update(per_device_map(drop_lead, lifted, cache))
-      for leaf, node in zip(class_leaves, nodes):
-        if leaf.layout is not None:
-          continue
-        for r, row in enumerate(program.mesh.devices):
-          for device in row:
-            if (leaf.path, 0, device) in sources and (leaf.path, 0, device) not in have:
-              have[(leaf.path, 0, device)] = copy_of_replica(node, leaf, device, r)
-    return have
+  def lower(self) -> list[jax.stages.Lowered]:
+    """The move's programs, lowered for the old state's shapes and shardings (nothing read):
+    once compiled, ``move`` and the new plan's placement from it compile nothing."""
+    return self._held.lower() + self._crossing.lower()
 
-  @staticmethod
-  def _cross(moves: list[Move], have, by_path: dict[Path, Leaf], k: dict[Path, int],
-             live: list[jax.Device], cache: ProgramCache
-             ) -> dict[tuple[Path, int, Any], jax.Array]:
-    """The moves between processes, in one program over ``live``: what this process's
-    devices received, ``(path, piece, target) -> buffer``."""
-    crossing = [m for m in moves if m.source.process_index != m.target.process_index]
-    if not crossing or not holds_mine(live):
-      return {}
-    index = {d: i for i, d in enumerate(live)}
-    paths = list(dict.fromkeys(m.path for m in crossing))
-    mesh = Mesh(np.array(live, dtype=object), (AXIS,))
-    sharding = NamedSharding(mesh, P(AXIS))
-    stack_rounds = cache.program(("stack rounds",),
-                                 lambda: jax.jit(lambda parts: jnp.stack(parts)[None]))
-    inputs, perms, shapes, schedule = [], [], [], []
-    for path in paths:
-      leaf = by_path[path]
-      piece = dataclasses.replace(leaf, k=k[path]).piece_shape
-      mine = [m for m in crossing if m.path == path]
-      by_pair = {(index[m.source], index[m.target]): m for m in mine}  # one per pair
-      rounds = rounds_of(list(by_pair))
-      at = {(r, s): by_pair[(s, t)] for r, pairs in enumerate(rounds) for s, t in pairs}
-      blocks = []
-      for device in live:
-        if not is_mine(device):
-          continue
-        parts = []
-        for r in range(len(rounds)):
-          move = at.get((r, index[device]))
-          parts.append(have[(path, move.piece, device)] if move is not None
-                       else jax.device_put(np.zeros(piece, leaf.dtype), device))
-        blocks.append(stack_rounds(parts))  # [1, rounds, *piece] on the parts' device
-      inputs.append(jax.make_array_from_single_device_arrays(
-          (len(live), len(rounds)) + piece, sharding, blocks))
-      perms.append(tuple(tuple(pairs) for pairs in rounds))
-      shapes.append((piece, np.dtype(leaf.dtype).name))
-      schedule.append((path, rounds, by_pair))
-    outputs = permute_program(cache, mesh, tuple(shapes), tuple(perms))(*inputs)
-    received = {}
-    for (path, rounds, by_pair), out in zip(schedule, outputs):
-      by_device = per_device(out)
-      for r, pairs in enumerate(rounds):
-        for s, t in pairs:
-          target = live[t]
-          if is_mine(target):
-            move = by_pair[(s, t)]
-            received[(path, move.piece, target)] = by_device[target][0, r]
-    return received
+  def move(self) -> CrossProcessPeers:
+    """Run the moves (once): this process's devices then hold their pieces of the new plan."""
+    if not self._moved:
+      have = self._held()
+      received = self._crossing(have)
+      self._arrays = self._assemble(have, received)
+      self._moved = True
+    return self
 
-  @staticmethod
-  def _assemble(leaves: list[Leaf], k: dict[Path, int], new_rows, moves: list[Move], have,
-                received) -> dict[Path, jax.Array]:
+  def spanning_spec(self, path: Path) -> jax.ShapeDtypeStruct:
+    return self._spans[path]
+
+  def _assemble(self, have, received) -> dict[Path, jax.Array]:
     """Every leaf as one array spanning the new plan's replicas (``spanning_sharding``)."""
-    local: dict[Path, list[jax.Array]] = {leaf.path: [] for leaf in leaves}
-    for move in moves:
+    local: dict[Path, list[jax.Array]] = {leaf.path: [] for leaf in self._leaves}
+    for move in self._moves:
       if not is_mine(move.target):
         continue
       key = (move.path, move.piece, move.target)
       if move.source == move.target:
         piece = have[key]
-      elif is_mine(move.source):
+      elif is_mine(move.source):  # within this process: a copy between devices, no program
         piece = jax.device_put(have[(move.path, move.piece, move.source)], move.target)
       else:
         piece = received[key]
       local[move.path].append(piece)
     return {leaf.path: jax.make_array_from_single_device_arrays(
-        leaf.shape, spanning_sharding(leaf, new_rows, k[leaf.path]), local[leaf.path],
-        dtype=leaf.dtype) for leaf in leaves}
-
+        leaf.shape, self._spans[leaf.path].sharding, local[leaf.path], dtype=leaf.dtype)
+        for leaf in self._leaves}

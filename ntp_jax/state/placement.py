@@ -230,7 +230,8 @@ class LogicalSource(Protocol):
     compiling ahead); ``[]``: they run no program of ours; None when the source cannot
     tell before it reads (then ``Placement.lower`` gives up)."""
 
-  def over_processes(self, target: Any, meshes: list[Mesh], t_min: int) -> LogicalSource | None:
+  def over_processes(self, target: Any, meshes: list[Mesh], t_min: int, *,
+                     run: bool = True) -> LogicalSource | None:
     """A multi-process job: a source of the same state whose arrays span every process
     (``spans_processes``), made the source's own way (live DP peers move theirs across
     processes); None: read it once over every process (``spanning.SpanningSource``).
@@ -238,6 +239,9 @@ class LogicalSource(Protocol):
     Args:
       target: the first class's abstract state (names the logical leaves).
       meshes: every class's mesh, in plan order. t_min: the smallest TP degree.
+      run: False: for compiling ahead, the source with its moves planned but not run;
+        its ``lower()`` lowers them, and its ``read_programs`` tell what placing from it
+        runs.
     """
 
   def describe(self) -> str:
@@ -283,7 +287,8 @@ class BaseSource:
                     rest: dict[Path, jax.ShapeDtypeStruct]) -> list[Lowerable] | None:
     return None
 
-  def over_processes(self, target: Any, meshes: list[Mesh], t_min: int) -> LogicalSource | None:
+  def over_processes(self, target: Any, meshes: list[Mesh], t_min: int, *,
+                     run: bool = True) -> LogicalSource | None:
     return None
 
   def describe(self) -> str:
@@ -469,7 +474,8 @@ class PerDeviceMap:
   Args:
     fn: ``array -> array`` on one device (a module-level function: it keys the cache).
     arrays: ``key -> `` single-device array or ``jax.ShapeDtypeStruct`` with a
-      ``SingleDeviceSharding``: the arguments the call will get.
+      ``SingleDeviceSharding`` (or a list of them on one device): the arguments the call
+      will get.
     cache: where the program is kept (default: a fresh ``ProgramCache``).
 
   Attributes:
@@ -509,7 +515,8 @@ def _by_device(arrays: dict[Any, Any]) -> list[list[Any]]:
   in first-seen order: one ``PerDeviceMap`` call per group."""
   by_device: dict[jax.Device, list[Any]] = {}
   for key, array in arrays.items():
-    by_device.setdefault(next(iter(array.sharding.device_set)), []).append(key)
+    first = jax.tree.leaves(array)[0]  # an argument may be a list of arrays on one device
+    by_device.setdefault(next(iter(first.sharding.device_set)), []).append(key)
   return list(by_device.values())
 
 

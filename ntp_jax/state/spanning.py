@@ -19,10 +19,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from ntp_jax.program_cache import ProgramCache
+from ntp_jax.program_cache import ProgramCache, abstract
 from ntp_jax.sharding.topology import holds_mine, is_mine, mine, processes_of
 from ntp_jax.state.placement import (
   BaseSource,
@@ -133,6 +133,23 @@ class SpanningArrays(BaseSource):
   def describe(self) -> str:
     return "logical arrays over every process"
 
+  def spanning_spec(self, path: Path) -> jax.ShapeDtypeStruct:
+    """The logical array of ``path`` as it spans the processes: shape, dtype, sharding."""
+    return abstract(self._arrays[path])
+
+  def _shard_specs(self, requests: dict[Path, jax.ShapeDtypeStruct]
+                   ) -> dict[tuple[Path, jax.Device], jax.ShapeDtypeStruct]:
+    """``(path, device) -> `` this process's piece of each requested logical array, from
+    metadata (what ``_shards`` will hand over)."""
+    out = {}
+    for path in requests:
+      spec = self.spanning_spec(path)
+      shape = spec.sharding.shard_shape(spec.shape)
+      for device in sorted(spec.sharding.addressable_devices, key=lambda d: d.id):
+        out[(path, device)] = jax.ShapeDtypeStruct(shape, spec.dtype,
+                                                   sharding=SingleDeviceSharding(device))
+    return out
+
   def _shards(self, requests: dict[Path, jax.ShapeDtypeStruct]
               ) -> dict[tuple[Path, jax.Device], jax.Array]:
     return {(path, s.device): s.data for path in requests
@@ -142,16 +159,17 @@ class SpanningArrays(BaseSource):
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
     """Split leaves: ``path -> {device: [1, 1, *piece]}`` for this process's devices."""
     out: dict[Path, dict[jax.Device, jax.Array]] = {path: {} for path in requests}
-    shards = self._shards(requests)
-    for (path, device), x in PerDeviceMap(add_lead, shards, self.cache)(shards).items():
+    lift = PerDeviceMap(add_lead, self._shard_specs(requests), self.cache)
+    for (path, device), x in lift(self._shards(requests)).items():
       out[path][device] = x
     return out
 
   def read_programs(self, blocks: dict[Path, jax.ShapeDtypeStruct],
                     copies: dict[Path, jax.ShapeDtypeStruct],
                     rest: dict[Path, jax.ShapeDtypeStruct]) -> list[PerDeviceMap]:
-    """``read_blocks``' lift of each piece to ``[1, 1, *piece]``; ``read`` runs none."""
-    return [PerDeviceMap(add_lead, self._shards(blocks), self.cache)] if blocks else []
+    """``read_blocks``' lift of each piece to ``[1, 1, *piece]`` (from metadata: the arrays
+    may not be there yet); ``read`` runs none."""
+    return [PerDeviceMap(add_lead, self._shard_specs(blocks), self.cache)] if blocks else []
 
   def read(self, requests: dict[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
     """Unsplit leaves, replicated over the requested class mesh (local copies reused)."""

@@ -212,34 +212,55 @@ class TrainingRun:
 
   def compile_ahead(self) -> None:
     """Schedule the background compile of every plan one failure or repair away from the
-    current one (``ntp_jax.training.precompile``): its state moves, steps and sync."""
+    current one (``ntp_jax.training.precompile``): its state moves, steps and sync. In a
+    recoverable multi-process job, also the loss of each other process (all its devices
+    failed at once)."""
     if self.precompiler is None:
       return
     state, jobs = self.state, []  # a lost process's devices stay failed: no plan brings them back
-    lost = {(i // state.plan.tp, i % state.plan.tp) for i, d in enumerate(self.devices)
-            if d in self.guard.lost_devices}
     tp, dp = state.plan.tp, state.plan.dp
-    for failed in reachable_failed_sets(state.failed, dp=dp, tp=tp):
-      if not lost <= failed:
-        continue
+    lost = {(i // tp, i % tp) for i, d in enumerate(self.devices)
+            if d in self.guard.lost_devices}
+    changes = [(failed, None) for failed in reachable_failed_sets(state.failed, dp=dp, tp=tp)
+               if lost <= failed]
+    if self.job is not None and self.job.multi_process and self.job.recoverable:
+      for process in sorted(self.guard.live_processes() - {jax.process_index()}):
+        slots = {(i // tp, i % tp) for i, d in enumerate(self.devices)
+                 if d.process_index == process}
+        if not slots <= state.failed:
+          changes.append((state.failed | slots, process))
+    for failed, process in changes:
       try:
         plan = self.make_plan(failed)
       except (ValueError, ConfigError):
         continue  # no live replica left: nothing to compile for
-      dead = {self.devices[r * tp + s] for r, s in failed - state.failed}
-      change = ", ".join(f"{'fail' if pair in failed else 'repair'} {pair[0]}:{pair[1]}"
-                         for pair in sorted(failed ^ state.failed))
+      if process is None:
+        change = ", ".join(f"{'fail' if pair in failed else 'repair'} {pair[0]}:{pair[1]}"
+                           for pair in sorted(failed ^ state.failed))
+      else:
+        change = f"lose process {process}"
       label = f"{change} -> TP degrees {[r.degree for r in plan.replicas]}"
       jobs.append(PlanJob(failed, label, functools.partial(
-          self._programs_ahead, plan, state.programs, dead), origin=state.failed))
+          self._programs_ahead, plan, failed, process), origin=state.failed,
+          lost=frozenset() if process is None else frozenset({process})))
     self.precompiler.schedule(jobs)
 
-  def _programs_ahead(self, plan: Plan, programs: list, dead: set) -> list:
-    """The programs a move from ``programs`` onto ``plan`` and its first step run, lowered."""
-    if jax.process_count() > 1:  # the moves across processes are made by the recovery
-      source = None
-    elif self.config.ntp.recovery == "live":
-      source = PeerSource(programs, dead, min_degree=plan.t_min, cache=self.cache)
+  def _programs_ahead(self, plan: Plan, failed: frozenset, process: int | None) -> list:
+    """The programs a move from the current plan onto ``plan`` (of the failed set ``failed``;
+    ``process``: by that process's loss) and its first step run, lowered. The moves are
+    planned as ``apply`` will plan them (the same old state, dead and live devices), so the
+    programs are the ones it calls."""
+    state = self.state
+    dead = {self.devices[r * state.plan.tp + s] for r, s in failed - state.failed}
+    programs = state.programs
+    if process is not None:  # as process_lost: the old state on the live processes' rows
+      dead |= {d for d in self.devices if d.process_index == process}
+      live = self.guard.live_processes() - {process}
+      programs = [p for p in (live_rows(p, live, shapes_only=True) for p in programs)
+                  if p is not None]
+    if self.config.ntp.recovery == "live":
+      source = PeerSource(programs, dead | self.guard.lost_devices, min_degree=plan.t_min,
+                          devices=self.devices, cache=self.cache)
     else:  # the restart path restores a checkpoint, whichever step it holds
       source = CheckpointShapes()
     return PlanPrograms(plan, self.model.make, self.optimizer, self.config.train.clip_norm,
@@ -288,8 +309,9 @@ class TrainingRun:
 
   # -- failures and repairs -------------------------------------------------------------------
 
-  def apply(self, events: list[Event]) -> None:
-    """Change the failed set by ``events`` and move the job onto the new plan.
+  def apply(self, events: list[Event], lost: frozenset[int] = frozenset()) -> None:
+    """Change the failed set by ``events`` (``lost``: the processes whose loss they are)
+    and move the job onto the new plan.
 
     The parts of the cost go to the ``recovered`` event, written after the
     first step on the new plan (``recovery.RecoveryRecord``): ``plan_s``, ``wait_s``
@@ -319,7 +341,8 @@ class TrainingRun:
              f"step (shares {shares}){redo}")
     wait_s = self.precompiler.settle(state.failed) if self.precompiler is not None else 0.0
     self.clock.add("compile", wait_s)
-    ahead = self.precompiler is not None and (before, state.failed) in self.precompiler.ready
+    ahead = self.precompiler is not None and (
+        (before, state.failed, lost) in self.precompiler.ready)
     record = self.recoveries.begin(start, compiled, plan_s=plan_s, wait_s=wait_s, ahead=ahead,
                                    cut=bool(redo))
     if self.config.ntp.recovery != "live":
@@ -481,7 +504,7 @@ class TrainingRun:
       self.checkpoints.restrict(live)
     # The old state on the live processes' replicas only: no move touches a lost process.
     state.programs = [p for p in (live_rows(p, live) for p in state.programs) if p is not None]
-    self.apply(events)
+    self.apply(events, lost.processes)
 
   def events_before(self, step: int) -> list[Event]:
     """What the hooks report before ``step``: their events, and a ``DeviceFailure`` one

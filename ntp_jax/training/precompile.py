@@ -36,17 +36,21 @@ class PlanJob:
     origin: the failed set of the plan its state moves from (the moves depend on it).
     label: one line for the log, e.g. ``fail 0:3 -> TP degrees [3, 4]``.
     lower: ``() -> [(what, cache key or None, jax.stages.Lowered)]``.
+    lost: the processes whose loss leads there (their moves differ from a failure of the
+      same devices: the lost rows take no part).
   """
 
   failed: frozenset
   label: str
   lower: Callable[[], list[tuple[str, Hashable | None, Any]]]
   origin: frozenset = frozenset()
+  lost: frozenset = frozenset()
 
   @property
-  def move(self) -> tuple[frozenset, frozenset]:
-    """``(origin, failed)``: what ``Precompiler.ready`` holds once the job is compiled."""
-    return self.origin, self.failed
+  def move(self) -> tuple[frozenset, frozenset, frozenset]:
+    """``(origin, failed, lost)``: what ``Precompiler.ready`` holds once the job is
+    compiled."""
+    return self.origin, self.failed, self.lost
 
 
 class Precompiler:
@@ -73,9 +77,9 @@ class Precompiler:
     self._thread: threading.Thread | None = None
     self._closed = False
     self._rss_start: int | None = None
-    # (origin, failed) moves whose every program is compiled: the target's steps and sync,
-    # and the state moves from the origin's plan
-    self.ready: set[tuple[frozenset, frozenset]] = set()
+    # (origin, failed, lost) moves whose every program is compiled: the target's steps and
+    # sync, and the state moves from the origin's plan
+    self.ready: set[tuple[frozenset, frozenset, frozenset]] = set()
     self.compiled = 0  # programs compiled ahead over the run
     self.seconds = 0.0  # wall seconds the worker spent compiling
 

@@ -274,14 +274,9 @@ def open_checkpoints(config: RunConfig) -> Checkpoints:
 def precompile_on(config: RunConfig, devices: Sequence[jax.Device], log) -> bool:
   """``ntp.precompile`` resolved: compile the plans one failure or repair away in the
   background (``ntp_jax.training.precompile``)? ``auto`` is on for GPU and TPU, off on CPU (the
-  compiling thread would take the cores the step runs on). One process only: across
-  processes the live moves compile when the failure comes (not built yet). Logs the choice."""
+  compiling thread would take the cores the step runs on). Logs the choice."""
   setting = config.ntp.precompile
   on = setting == "next_failure" or (setting == "auto" and devices[0].platform != "cpu")
-  if on and jax.process_count() > 1:
-    log("compile ahead: off (ntp.precompile): not built for several processes; a failure's "
-        "programs compile when it comes")
-    return False
   if on:
     log("compile ahead: on (ntp.precompile): the plans one failure or repair away compile in "
         "the background")

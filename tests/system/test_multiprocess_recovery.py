@@ -72,11 +72,18 @@ def _launch(processes, workdir, settings, *, launcher=(), program="train.py", en
 
 @pytest.mark.parametrize("replica", [1, 0], ids=["process-1-replica", "process-0-replica"])
 def test_a_failure_and_repair_across_processes_recover_live(tmp_path, replica):
+  """The failure and repair of a device; with replica 1 damaged, compiled ahead: every
+  process compiles the plans one event away in the background, and the recoveries (the
+  moves across processes, the new classes' steps and sync) compile nothing."""
   events = {"ntp.recovery": "live", "ntp.fail_at": f"4@{replica}:2",
             "ntp.repair_at": f"8@{replica}:2"}
   expected, _ = _reference(tmp_path, "one", **events)
   workdir = tmp_path / "two"
-  done = _launch(2, workdir, {**BASE, **events, "checkpoint.every": 0})
+  ahead = replica == 1
+  done = _launch(2, workdir, {**BASE, **events, "checkpoint.every": 0,
+                              "ntp.precompile": "next_failure" if ahead else "none"},
+                 program="tests/programs/train_with_hooks.py",
+                 env={"NTP_JAX_WAIT_FOR_AHEAD": "1"})
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
   records = _equal_losses(workdir, expected)
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
@@ -85,13 +92,16 @@ def test_a_failure_and_repair_across_processes_recover_live(tmp_path, replica):
   assert degrees[8] == [4, 4] and degrees[STEPS - 1] == [4, 4]
   recovered = [r for r in records if r.get("event") == "recovered"]
   assert [r["path"] for r in recovered] == ["live", "live"]
+  assert [r["compiled_ahead"] for r in recovered] == [ahead, ahead]
+  if ahead:
+    assert [r["compile_s"] for r in recovered] == [0.0, 0.0], recovered
   # Replica `replica`'s own live slots hold part of its state; the rest crossed processes.
   assert recovered[0]["crossed_bytes"] > 0
   assert "restoring" not in done.stdout and "resuming" not in done.stdout
 
 
 def _run_until_killed(workdir, settings, die_after, processes=2):
-  """The job under ``tests/programs/train_then_die.py``: process 1 SIGKILLs itself after
+  """The job under ``tests/programs/train_with_hooks.py``: process 1 SIGKILLs itself after
   step ``die_after``. Returns (process 0's status, seconds from the kill to its exit, its
   output)."""
   os.makedirs(workdir, exist_ok=True)
@@ -103,7 +113,7 @@ def _run_until_killed(workdir, settings, die_after, processes=2):
                   "NTP_JAX_DIE_AFTER": f"1:{die_after}"})
     log = open(os.path.join(workdir, f"process{i}.log"), "w")
     logs.append(log)
-    children.append(subprocess.Popen(_args(workdir, settings, "tests/programs/train_then_die.py"),
+    children.append(subprocess.Popen(_args(workdir, settings, "tests/programs/train_with_hooks.py"),
                                      cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True))
   try:
@@ -142,23 +152,38 @@ def test_a_lost_process_leaves_a_just_in_time_checkpoint_and_a_smaller_restart_r
   _equal_losses(workdir, expected)
 
 
-def test_survivors_go_on_with_their_replicas_in_recoverable_mode(tmp_path):
-  constant = {"ntp.rebalance": "constant"}
+def test_lost_processes_leave_their_replica_at_a_lower_degree_then_drop_it_compiled_ahead(
+    tmp_path):
+  """One process per device (4 x 1, TP groups over two processes each), recoverable mode,
+  compiling ahead: process 3 dies after step 4, so replica 1 trains on at TP degree 1
+  from process 2; process 2 dies after step 8, so replica 1 is dropped. The survivors
+  compile nothing on the way, redo only the step in flight, and with a constant global
+  batch train exactly as the healthy run does."""
+  constant = {"ntp.rebalance": "constant", "mesh.tp": 2}
   expected, _ = _reference(tmp_path, "one", **constant)
-  workdir = tmp_path / "two"
-  settings = {**BASE, **constant, "checkpoint.every": 1000, "distributed.recoverable": True,
-              "distributed.heartbeat_timeout_s": HEARTBEAT_S}
-  done = _launch(2, workdir, settings, launcher=["--run-on"],
-                 program="tests/programs/train_then_die.py",
-                 env={"NTP_JAX_DIE_AFTER": "1:6"})
+  workdir = tmp_path / "four"
+  settings = {**BASE, **constant, "checkpoint.every": 0, "distributed.recoverable": True,
+              "distributed.heartbeat_timeout_s": HEARTBEAT_S,
+              "distributed.processes_per_domain": 2, "ntp.precompile": "next_failure"}
+  done = _launch(4, workdir, settings, launcher=["--run-on"],
+                 program="tests/programs/train_with_hooks.py",
+                 env={"NTP_JAX_DIE_AFTER": "3:4,2:8", "NTP_JAX_WAIT_FOR_AHEAD": "1"})
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-  assert "[launch] process 1 exited with status 137; the others run on" in done.stderr
-  assert "process 0 goes on without it (distributed.recoverable)" in done.stdout
+  for process in (3, 2):
+    assert f"[launch] process {process} exited with status 137; the others run on" in (
+        done.stderr)
   records = _equal_losses(workdir, expected)
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
-  assert degrees[6] == [4, 4] and degrees[7] == [4] and degrees[STEPS - 1] == [4]
-  # Only the step in flight was redone; the global batch never changed.
-  assert "redone: 1 step(s)" in done.stdout
+  assert degrees[4] == [2, 2] and degrees[5] == [2, 1] and degrees[8] == [2, 1]
+  assert degrees[9] == [2] and degrees[STEPS - 1] == [2]
+  lost = [r for r in records if r.get("event") == "process_lost"]
+  assert [(r["step"], r["processes"]) for r in lost] == [(5, [3]), (9, [2])]
+  recovered = [r for r in records if r.get("event") == "recovered"]
+  assert [r["path"] for r in recovered] == ["live", "live"]
+  for row in recovered:  # the moves across processes, the new classes' steps and sync
+    assert row["compiled_ahead"] and row["compile_s"] == 0.0, row
+  assert recovered[0]["crossed_bytes"] > 0  # replica 1's lost slot came from replica 0
+  assert "redone: 2 step(s)" in done.stdout
   assert {r["global_batch"] for r in records if "global_batch" in r} == {16}
 
 
@@ -185,7 +210,7 @@ def test_the_coordinators_loss_ends_the_job_and_a_rerun_resumes_from_the_last_ch
   workdir = tmp_path / "two"
   settings = {**BASE, "checkpoint.every": 3, "distributed.heartbeat_timeout_s": HEARTBEAT_S}
   start = time.monotonic()
-  done = _launch(2, workdir, settings, program="tests/programs/train_then_die.py",
+  done = _launch(2, workdir, settings, program="tests/programs/train_with_hooks.py",
                  env={"NTP_JAX_DIE_AFTER": "0:6"}, timeout=300)
   assert done.returncode == 137, done.stdout[-3000:] + done.stderr[-2000:]
   assert "[launch] process 0 hosted JAX's coordination service: losing it ended processes " \
