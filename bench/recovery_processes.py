@@ -19,6 +19,10 @@ gpt_tiny as 2 processes x 4 CPU devices (``python -m ntp_jax.launch``), dp=2 tp=
   ``ntp.rebalance=constant``: process 0 goes on alone. From the end of step
   ``at - 1`` to the end of step ``at`` (the step in flight, redone).
 
+*live* and *recoverable* run twice: as they are, and compiled ahead
+(``ntp.precompile=next_failure``, each step waiting for the background compile
+to finish, as a long run's failures come long after it has).
+
 Times are read from the ``time`` of the step rows in ``metrics.jsonl``; the
 restarts start as soon as the survivor has exited (a scheduler's own delay is
 not counted). Every run has a fresh work folder (a cold compilation cache).
@@ -32,6 +36,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Compiled ahead: the plans one event away compile in the background, and the run lets
+# them finish before each step (as a long run's failures come long after they have).
+AHEAD = {"ntp.precompile": "next_failure"}
+WAIT = {"NTP_JAX_WAIT_FOR_AHEAD": "1"}
 
 
 def _env(**extra):
@@ -48,9 +56,9 @@ def _args(workdir, settings, program="train.py"):
           *[f"--config.{k}={v}" for k, v in settings.items()]]
 
 
-def _launch(workdir, settings, *, program="train.py", launcher=(), env=None):
-  command = [sys.executable, "-m", "ntp_jax.launch", "--processes=2", *launcher, "--",
-             sys.executable, *_args(workdir, settings, program)]
+def _launch(workdir, settings, *, program="train.py", launcher=(), env=None, processes=2):
+  command = [sys.executable, "-m", "ntp_jax.launch", f"--processes={processes}", *launcher,
+             "--", sys.executable, *_args(workdir, settings, program)]
   return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
                         env=_env(**(env or {})))
 
@@ -89,17 +97,20 @@ def main():
   die = {"NTP_JAX_DIE_AFTER": f"1:{at - 1}"}
   results = []
   with tempfile.TemporaryDirectory() as tmp:
-    work = os.path.join(tmp, "live")
-    done = _launch(work, {**base, "ntp.recovery": "live", "ntp.fail_at": f"{at}@1:2",
-                          "checkpoint.every": 0})
-    if done.returncode != 0:
-      raise SystemExit(done.stdout[-3000:])
-    rows = _rows(work)
-    times, recovered = _step_times(rows), _events(rows, "recovered")[0]
-    results.append(("live across processes (process 1's slot 2 fails, its process lives)",
-                    times[at] - times[at - 1], 0,
-                    f"move {recovered['move_s']:.2f} s, compile {recovered['compile_s']:.2f} s, "
-                    f"{recovered['crossed_bytes'] / 1e6:.2f} MB between processes"))
+    for ahead in (False, True):
+      work = os.path.join(tmp, f"live{int(ahead)}")
+      done = _launch(work, {**base, "ntp.recovery": "live", "ntp.fail_at": f"{at}@1:2",
+                            "checkpoint.every": 0, **(AHEAD if ahead else {})},
+                     program="tests/programs/train_with_hooks.py", env=WAIT if ahead else None)
+      if done.returncode != 0:
+        raise SystemExit(done.stdout[-3000:])
+      rows = _rows(work)
+      times, recovered = _step_times(rows), _events(rows, "recovered")[0]
+      results.append(("live across processes (process 1's slot 2 fails, its process lives)"
+                      + (", compiled ahead" if ahead else ""), times[at] - times[at - 1], 0,
+                      f"move {recovered['move_s']:.2f} s, compile "
+                      f"{recovered['compile_s']:.2f} s, "
+                      f"{recovered['crossed_bytes'] / 1e6:.2f} MB between processes"))
 
     for name, extra in (("just-in-time checkpoint", {"checkpoint.every": 1000}),
                         ("last periodic checkpoint (every 10 steps)",
@@ -117,17 +128,20 @@ def main():
       results.append((f"process 1 lost, restart from the {name}", times[at] - lost_at,
                       at - saved[-1], note))
 
-    work = os.path.join(tmp, "recoverable")
-    done = _launch(work, {**base, "checkpoint.every": 1000, "distributed.recoverable": True,
-                          "ntp.rebalance": "constant"},
-                   program="tests/programs/train_with_hooks.py", launcher=["--run-on"], env=die)
-    if done.returncode != 0:
-      raise SystemExit(done.stdout[-3000:])
-    rows = _rows(work)
-    times, recovered = _step_times(rows), _events(rows, "recovered")[0]
-    results.append(("process 1 lost, survivors go on (distributed.recoverable)",
-                    times[at] - times[at - 1], 0,
-                    f"move {recovered['move_s']:.2f} s, compile {recovered['compile_s']:.2f} s"))
+    for ahead in (False, True):
+      work = os.path.join(tmp, f"recoverable{int(ahead)}")
+      done = _launch(work, {**base, "checkpoint.every": 1000, "distributed.recoverable": True,
+                            "ntp.rebalance": "constant", **(AHEAD if ahead else {})},
+                     program="tests/programs/train_with_hooks.py", launcher=["--run-on"],
+                     env={**die, **(WAIT if ahead else {})})
+      if done.returncode != 0:
+        raise SystemExit(done.stdout[-3000:])
+      rows = _rows(work)
+      times, recovered = _step_times(rows), _events(rows, "recovered")[0]
+      results.append(("process 1 lost, survivors go on (distributed.recoverable)"
+                      + (", compiled ahead" if ahead else ""), times[at] - times[at - 1], 0,
+                      f"move {recovered['move_s']:.2f} s, compile "
+                      f"{recovered['compile_s']:.2f} s"))
 
   print(f"`python bench/recovery_processes.py --steps {args.steps} --at {args.at} "
         f"--heartbeat {args.heartbeat:g}` (cpu, 2 processes x 4 devices, gpt_tiny, dp=2 tp=4, "
