@@ -91,8 +91,9 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
       (they name the lost process and may write a just-in-time checkpoint,
       ``distributed.jit_checkpoint_s``) before they are stopped.
     run_on: never stop the others after a failure (``distributed.recoverable``: they go
-      on without the failed processes, each said in one line); the status is then the
-      survivors': 0 when a process finished, else the status of the last to end.
+      on without the failed processes); each process that ends with a non-zero status is
+      said in one line, and the job's status is process 0's (it hosts JAX's
+      coordination service: the job cannot outlive it).
     port: the coordinator's port (default: a free one).
 
   Returns:
@@ -153,8 +154,8 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
           "job again to resume from the last one", file=sys.stderr, flush=True)
   if first_failed is None:
     return 0
-  if run_on:  # the survivors': 0 when one finished, else the last one's
-    return 0 if 0 in codes.values() else list(codes.values())[-1]
+  if run_on:  # process 0's: it hosts the coordination service, the job ends with it
+    return codes[0]
   return codes[first_failed]
 
 

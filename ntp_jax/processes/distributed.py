@@ -253,8 +253,25 @@ class Job:
     return self.num_processes > 1
 
   def finish(self) -> None:
+    """The end of a run that finished here: the heartbeat stops (the peers do not miss this
+    process), and in recoverable mode the processes leave the job in order.
+
+    JAX's coordination service leaves recoverable tasks out of its shutdown barrier, so
+    process 0 (which hosts the service) could close it while another process's shutdown
+    is under way, and JAX would abort that one (status 134) after a clean run. So every
+    other process shuts its client down here, and process 0 returns only once each live
+    one has (``get_live_nodes`` waits for a live process that has not left; a lost one is
+    waited for until the service's own heartbeat declares it dead).
+    """
     if self.heartbeat is not None:
       self.heartbeat.stop()
+    if not (self.multi_process and self.recoverable):
+      return
+    if not self.primary:
+      jax.distributed.shutdown()
+      return
+    lost = self.heartbeat.lost_processes if self.heartbeat is not None else set()
+    self.client.get_live_nodes(sorted(set(range(self.num_processes)) - lost))
 
 
 _JOINED: Job | None = None

@@ -47,6 +47,23 @@ def test_with_run_on_the_survivors_finish_and_their_status_is_the_jobs():
   assert launch([sys.executable, "-c", _SCRIPT, "end"], 2, run_on=True) == 0
 
 
+# Processes 2 and 3 fail at once, process 1 later; process 0's status ends the job.
+_THREE_FAIL = ("import os, sys, time\n"
+               "i = int(os.environ['NTP_JAX_PROCESS_ID'])\n"
+               "time.sleep({0: 1.5, 1: 1.0}.get(i, 0))\n"
+               "sys.exit({0: int(sys.argv[1]), 1: 7}.get(i, 9))\n")
+
+
+@pytest.mark.parametrize("last", [0, 5])
+def test_with_run_on_every_failure_is_said_and_process_0_ends_the_job(last, capsys):
+  from ntp_jax.launch import launch
+  assert launch([sys.executable, "-c", _THREE_FAIL, str(last)], 4, run_on=True) == last
+  said = [line for line in capsys.readouterr().err.splitlines() if "the others run on" in line]
+  assert sorted(said) == sorted([f"[launch] process {i} exited with status {c}; the others run on"
+                                 for i, c in ((1, 7), (2, 9), (3, 9))] + (
+      [f"[launch] process 0 exited with status {last}; the others run on"] if last else []))
+
+
 def test_interleaved_pieces_of_two_chatter_lines_go_too():
   """Several gloo threads write their lines in pieces at once (seen with 2 processes)."""
   mixed = ["[Gloo] Rank 1 is connected to [Gloo] Rank 3 is connected to 3 peer ranks. Expected "
@@ -84,3 +101,41 @@ def test_recoverable_mode_on_gpu_adds_the_nccl_settings_and_refuses_contrary_one
     gpu_recovery_environment({"XLA_FLAGS": "--xla_gpu_nccl_terminate_on_error=true"})
   with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE=0"):
     gpu_recovery_environment({"XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "0"})
+
+
+class _Client:
+  def __init__(self):
+    self.calls = []
+
+  def get_live_nodes(self, processes):
+    self.calls.append(("get_live_nodes", list(processes)))
+    return {p: 0 for p in processes}
+
+
+class _Heartbeat:
+  def __init__(self, lost):
+    self.lost_processes, self.stopped = set(lost), False
+
+  def stop(self):
+    self.stopped = True
+
+
+@pytest.mark.parametrize("process", [0, 2])
+def test_in_recoverable_mode_process_0_leaves_the_job_last(process, monkeypatch):
+  """The service's shutdown barrier leaves recoverable tasks out: process 0 (its host) must
+  not close it while another is shutting down, so it waits for every live one to leave."""
+  import jax
+
+  from ntp_jax.processes.distributed import Job
+  shut = []
+  monkeypatch.setattr(jax.distributed, "shutdown", lambda: shut.append(process))
+  client, heartbeat = _Client(), _Heartbeat(lost={3})
+  Job(process, 4, heartbeat, client=client, recoverable=True).finish()
+  assert heartbeat.stopped
+  if process == 0:  # waits for 1 and 2 to leave (3 was lost), then leaves at exit
+    assert client.calls == [("get_live_nodes", [0, 1, 2])] and shut == []
+  else:  # leaves at once, while the service still runs
+    assert client.calls == [] and shut == [process]
+  client, heartbeat = _Client(), _Heartbeat(lost=())
+  Job(process, 4, heartbeat, client=client, recoverable=False).finish()  # JAX's barrier
+  assert heartbeat.stopped and client.calls == [] and shut == ([] if process == 0 else [2])
