@@ -240,27 +240,29 @@ class TrainingRun:
       else:
         change = f"lose process {process}"
       label = f"{change} -> TP degrees {[r.degree for r in plan.replicas]}"
+      # The old state and the dead devices as apply will see them (bound now: the plan may
+      # change before the worker gets to this job).
+      dead = {self.devices[r * tp + s] for r, s in failed - state.failed}
+      dead |= self.guard.lost_devices
+      programs = state.programs
+      if process is not None:  # as process_lost: the old state on the live processes' rows
+        dead |= {d for d in self.devices if d.process_index == process}
+        live = self.guard.live_processes() - {process}
+        programs = [p for p in (live_rows(p, live, shapes_only=True) for p in programs)
+                    if p is not None]
       jobs.append(PlanJob(failed, label, functools.partial(
-          self._programs_ahead, plan, failed, process), origin=state.failed,
+          self._programs_ahead, plan, programs, frozenset(dead)), origin=state.failed,
           lost=frozenset() if process is None else frozenset({process})))
     self.precompiler.schedule(jobs)
 
-  def _programs_ahead(self, plan: Plan, failed: frozenset, process: int | None) -> list:
-    """The programs a move from the current plan onto ``plan`` (of the failed set ``failed``;
-    ``process``: by that process's loss) and its first step run, lowered. The moves are
-    planned as ``apply`` will plan them (the same old state, dead and live devices), so the
-    programs are the ones it calls."""
-    state = self.state
-    dead = {self.devices[r * state.plan.tp + s] for r, s in failed - state.failed}
-    programs = state.programs
-    if process is not None:  # as process_lost: the old state on the live processes' rows
-      dead |= {d for d in self.devices if d.process_index == process}
-      live = self.guard.live_processes() - {process}
-      programs = [p for p in (live_rows(p, live, shapes_only=True) for p in programs)
-                  if p is not None]
+  def _programs_ahead(self, plan: Plan, programs: list, dead: frozenset) -> list:
+    """The programs a move from ``programs`` (the old plan's, with ``dead`` devices failed
+    or lost) onto ``plan`` and its first step run, lowered. The moves are planned as
+    ``apply`` will plan them (the same old state, dead and live devices), so the programs
+    are the ones it calls."""
     if self.config.ntp.recovery == "live":
-      source = PeerSource(programs, dead | self.guard.lost_devices, min_degree=plan.t_min,
-                          devices=self.devices, cache=self.cache)
+      source = PeerSource(programs, set(dead), min_degree=plan.t_min, devices=self.devices,
+                          cache=self.cache)
     else:  # the restart path restores a checkpoint, whichever step it holds
       source = CheckpointShapes()
     return PlanPrograms(plan, self.model.make, self.optimizer, self.config.train.clip_norm,
