@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _generate(args, overrides: dict[str, str], tp: int) -> int:
   import time
 
-  from ntp_jax.errors import ConfigError
+  from ntp_jax.errors import ConfigError, too_few_devices
   from ntp_jax.generate.decoder import Decoder
   from ntp_jax.generate.origin import open_origin, place
   from ntp_jax.generate.prompt import PromptCodec
@@ -150,8 +150,7 @@ def _generate(args, overrides: dict[str, str], tp: int) -> int:
                       f"{origin.max_len} ({origin.max_len_field}); at most {room}")
   import jax
   if len(jax.devices()) < tp:  # before any weight is read
-    raise ConfigError(f"mesh.tp: {tp} devices needed, {len(jax.devices())} present "
-                      f"({jax.devices()[0].platform})")
+    raise too_few_devices(("mesh.tp",), tp, len(jax.devices()), jax.devices()[0].platform)
   log = lambda line: print(line, file=sys.stderr)  # noqa: E731
   log(f"model: {origin.description}")
   log(f"tokenizer: {origin.tokenizer}")

@@ -22,7 +22,7 @@ import numpy as np
 from ntp_jax.data import make_dataset
 from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.data.tokenizer import copy_file
-from ntp_jax.errors import ConfigError
+from ntp_jax.errors import too_few_devices
 from ntp_jax.layers.shard import replica_view
 from ntp_jax.model import ModelSpec, load_model_spec
 from ntp_jax.parallel.plan import Plan
@@ -126,9 +126,8 @@ def check_devices(plan: Plan, processes_per_domain: int = 1) -> list[jax.Device]
   devices = ordered_devices()
   needed = plan.dp * plan.tp
   if len(devices) < needed:
-    raise ConfigError(f"mesh: mesh.dp x mesh.tp = {needed} devices needed, "
-                      f"{len(devices)} present ({devices[0].platform}, "
-                      f"{jax.process_count()} process(es))")
+    raise too_few_devices(("mesh.dp", "mesh.tp"), needed, len(devices), devices[0].platform,
+                          jax.process_count())
   if jax.process_count() > 1:
     check_domains(devices[:needed], plan.tp, plan.dp, processes_per_domain)
   return devices[:needed]
