@@ -15,7 +15,7 @@ import numpy as np
 
 from ntp_jax.data import cache, corpus, packing, token_file
 from ntp_jax.data import tokenizer as tokenizer_lib
-from ntp_jax.data.errors import field_error
+from ntp_jax.data.errors import DataError, field_error
 from ntp_jax.data.packed_dataset import CorpusInfo, PackedDataset
 from ntp_jax.data.sharded_rows import ShardedRows
 
@@ -195,7 +195,12 @@ def _load_token_files(source, vocab_size, cache_dir):
     if not os.path.isfile(source.tokenizer):
       raise field_error("path", f"{source.description} names the tokenizer "
                         f"{source.tokenizer!r}, which is missing")
-    tokenizer = tokenizer_lib.load_given_tokenizer(source.tokenizer, vocab_size)
+    try:
+      tokenizer = tokenizer_lib.load_given_tokenizer(source.tokenizer, vocab_size)
+    except DataError as err:  # it names model.init_from: this tokenizer came with data.path
+      field, why = str(err).split(": ", 1)
+      raise field_error("path" if field == "model.init_from" else "vocab_size",
+                        f"{source.description}: {why}") from None
   info = CorpusInfo(source=source.description, num_files=len(shards), num_docs=None,
                     num_tokens=sum(int(t.size) for t in shards),
                     tokenizer_path=source.tokenizer, from_cache=from_cache)

@@ -88,3 +88,13 @@ def test_the_command_refuses_a_folder_that_holds_a_set(corpus, tmp_path, capsys)
   assert main([text, "--tokenizer", tokenizer_path, "--out", out]) == 2
   assert capsys.readouterr().err.strip() == (
       f"build_tokens: --out: {out} already holds a token set or .bin files; give a new folder")
+
+
+def test_a_broken_tokenizer_copy_names_data_path(corpus, tmp_path):
+  text, tokenizer_path = corpus
+  out = str(tmp_path / "tokens")
+  build_token_set(text, tokenizer_path, out, log=lambda _: None)
+  with open(os.path.join(out, "tokenizer.json"), "w") as f:
+    f.write("not json")
+  with pytest.raises(DataError, match=r"^data\.path: token set .*: cannot read .*tokenizer"):
+    dataset(out, tmp_path)
