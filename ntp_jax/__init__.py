@@ -2,13 +2,13 @@
 
 A DP replica that loses devices of its TP group trains on at a reduced TP
 degree beside healthy replicas (Arfeen et al., arXiv:2504.06095). The public
-API, for a training run from Python (``docs/custom_model.md``)::
+API, for a training run from Python (``docs/python_api.md``)::
 
   import configs.gpt_tiny
   import ntp_jax
 
   config = configs.gpt_tiny.get_config()      # an ml_collections.ConfigDict
-  result = ntp_jax.training(config, hooks=[lambda info: print(info.step, info.loss)])
+  result = ntp_jax.train(config, hooks=[lambda info: print(info.step, info.loss)])
 
 Names resolve on first use, so ``import ntp_jax`` starts no JAX backend:
 ``XLA_FLAGS`` (a simulated CPU device count) may still be set after it.

@@ -6,8 +6,10 @@
   is the running interpreter's standard-library source (every Python install
   ships it, so training works offline with no data set). Otherwise the user's
   file, folder (recursive) or glob pattern.
-* a `TokenFileSource`: a pre-tokenized `.bin` file of little-endian uint16
-  tokens, the format nanoGPT-style prepare scripts write.
+* a `TokenFileSource`: pre-tokenized ids. A plain `.bin` file of little-endian
+  uint16 tokens, the format nanoGPT-style prepare scripts write; or a token set
+  (`token_set`: `.bin` shards with a manifest naming their dtype, uint32 for
+  large vocabularies), given as its folder, its manifest or one of its shards.
 
 Standard-library corpus choices: only `*.py` files; `site-packages` and
 `dist-packages` are skipped (installed third-party code, differs between
@@ -22,6 +24,7 @@ import glob
 import os
 import sysconfig
 
+from ntp_jax.data import token_set
 from ntp_jax.data.errors import field_error
 
 TOKEN_FILE_SUFFIX = ".bin"
@@ -54,15 +57,36 @@ class TextSource:
 
 @dataclasses.dataclass(frozen=True)
 class TokenFileSource:
-  """A pre-tokenized uint16 `.bin` token file.
+  """Pre-tokenized ids: one plain `.bin` file, or (shards of) a token set.
 
   Attributes:
     description: human-readable origin, for logs.
-    path: absolute path of the file.
+    shards: (absolute path, token count from the manifest or None) of each file, in
+      stream order.
+    dtype: "uint16" (a plain `.bin` file) or the token set's dtype.
+    tokenizer: the token set's tokenizer copy, or None.
   """
   description: str
-  path: str
+  shards: tuple[tuple[str, int | None], ...]
+  dtype: str = token_set.PLAIN_DTYPE
+  tokenizer: str | None = None
   kind: str = "bin"
+
+
+def _token_file(path: str) -> TokenFileSource:
+  """A `.bin` file: read with its token set's dtype when a manifest beside it lists it."""
+  listed = token_set.set_of_shard(path)
+  if listed is None:
+    return TokenFileSource(f"token file {path!r}", ((path, None),))
+  return TokenFileSource(f"token file {path!r} ({listed.dtype}, of the token set beside it)",
+                         listed.shards, listed.dtype, listed.tokenizer)
+
+
+def _token_set(manifest: str) -> TokenFileSource:
+  listed = token_set.read_manifest(manifest)
+  return TokenFileSource(
+      f"token set {os.path.dirname(manifest)!r} ({len(listed.shards)} shard(s), "
+      f"{listed.dtype})", listed.shards, listed.dtype, listed.tokenizer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +112,9 @@ def resolve_source(path: str | None) -> TextSource | TokenFileSource:
 
   Args:
     path: None or "" for the standard-library corpus; otherwise a text file,
-      a folder (searched recursively), a glob pattern (`**` allowed), or a
-      single `.bin` uint16 token file (directly or as the only glob match).
+      a folder (searched recursively), a glob pattern (`**` allowed), a
+      single `.bin` uint16 token file (directly or as the only glob match), or a
+      token set (its folder or manifest; a shard of one is read with its dtype).
 
   Returns:
     The `TextSource` or `TokenFileSource` to read.
@@ -103,9 +128,15 @@ def resolve_source(path: str | None) -> TextSource | TokenFileSource:
   expanded = os.path.abspath(os.path.expanduser(path))
   if os.path.isfile(expanded):
     if expanded.endswith(TOKEN_FILE_SUFFIX):
-      return TokenFileSource(f"token file {expanded!r}", expanded)
+      return _token_file(expanded)
+    if os.path.basename(expanded) == token_set.MANIFEST_FILE and token_set.manifest_in(
+        os.path.dirname(expanded)):
+      return _token_set(expanded)
     return TextSource("text", f"text file {expanded!r}", (expanded,))
   if os.path.isdir(expanded):
+    manifest = token_set.manifest_in(expanded)
+    if manifest is not None:
+      return _token_set(manifest)
     files = _files_under(expanded, skip_dir=_is_hidden)
     if not files:
       raise field_error("path", f"folder {path!r} holds no files")
@@ -120,11 +151,11 @@ def resolve_source(path: str | None) -> TextSource | TokenFileSource:
                  and os.path.isfile(m)]
   if token_files:
     if len(matches) == 1:
-      only = os.path.abspath(token_files[0])
-      return TokenFileSource(f"token file {only!r}", only)
+      return _token_file(os.path.abspath(token_files[0]))
     raise field_error(
         "path", f"{path!r} matches {len(matches)} paths including .bin token "
-        "files; give exactly one .bin file, or text files only")
+        "files; give exactly one .bin file, the folder of a token set (python -m "
+        "ntp_jax.data.build_tokens), or text files only")
   files = []
   for match in matches:
     match = os.path.abspath(match)

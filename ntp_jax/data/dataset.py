@@ -15,8 +15,9 @@ import numpy as np
 
 from ntp_jax.data import cache, corpus, packing, token_file
 from ntp_jax.data import tokenizer as tokenizer_lib
-from ntp_jax.data.errors import field_error
+from ntp_jax.data.errors import DataError, field_error
 from ntp_jax.data.packed_dataset import CorpusInfo, PackedDataset
+from ntp_jax.data.sharded_rows import ShardedRows
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENS_FILE = "tokens.npy"
@@ -31,8 +32,10 @@ def make_dataset(path: str | None, vocab_size: int, seq_len: int,
 
   Args:
     path: None or "" for the interpreter's standard-library source; else a
-      text file, folder (recursive, binary files skipped), glob pattern, or
-      one `.bin` file of little-endian uint16 tokens.
+      text file, folder (recursive, binary files skipped), glob pattern,
+      one `.bin` file of little-endian uint16 tokens, or a token set (its
+      folder, its manifest, or one shard; `token_set`: uint32 shards for
+      vocabularies past 65,536, written by `build_tokens`).
     vocab_size: the model vocabulary; the BPE tokenizer gets at most this
       many tokens (at least 257 for text), a given tokenizer must have no
       more, and `.bin` tokens must be below it.
@@ -48,7 +51,8 @@ def make_dataset(path: str | None, vocab_size: int, seq_len: int,
       to encode the text with instead of training a BPE; documents are
       separated by its first token of `tokenizer.END_OF_TEXT_TOKENS`. The
       cache entry is keyed by the file's fingerprint and holds a copy of it
-      (`tokenizer_path` of the result). Ignored for `.bin` token files.
+      (`tokenizer_path` of the result). Ignored for `.bin` token files (a
+      token set's own tokenizer copy, when it has one, is the result's).
 
   Returns:
     The training split, a `PackedDataset`; its `validation` attribute holds
@@ -65,17 +69,18 @@ def make_dataset(path: str | None, vocab_size: int, seq_len: int,
                   val_fraction)
   source = corpus.resolve_source(path)
   if isinstance(source, corpus.TokenFileSource):
-    tokens, tokenizer, info = _load_token_file(source, vocab_size, cache_dir)
-  elif tokenizer_path is not None:
-    given = tokenizer_lib.load_given_tokenizer(tokenizer_path, vocab_size)
-    tokens, tokenizer, info = _load_or_tokenize_text(
-        source, vocab_size, cache_dir, max_corpus_bytes, (tokenizer_path, given))
+    shards, tokenizer, info = _load_token_files(source, vocab_size, cache_dir)
+    sequences = _shard_rows(shards, seq_len)
   else:
-    tokenizer_lib.check_vocab_size(vocab_size)
-    tokens, tokenizer, info = _load_or_tokenize_text(
-        source, vocab_size, cache_dir, max_corpus_bytes)
-
-  sequences = packing.cut_into_sequences(tokens, seq_len)
+    if tokenizer_path is not None:
+      given = tokenizer_lib.load_given_tokenizer(tokenizer_path, vocab_size)
+      tokens, tokenizer, info = _load_or_tokenize_text(
+          source, vocab_size, cache_dir, max_corpus_bytes, (tokenizer_path, given))
+    else:
+      tokenizer_lib.check_vocab_size(vocab_size)
+      tokens, tokenizer, info = _load_or_tokenize_text(
+          source, vocab_size, cache_dir, max_corpus_bytes)
+    sequences = packing.cut_into_sequences(tokens, seq_len)
   total = sequences.shape[0]
   if total == 0:
     raise field_error(
@@ -177,13 +182,35 @@ def _tokenize_text_into(folder, source, vocab_size, max_corpus_bytes,
   }
 
 
-def _load_token_file(source, vocab_size, cache_dir):
-  tokens, from_cache = token_file.load_token_file(source.path, vocab_size,
-                                                  cache_dir)
-  info = CorpusInfo(source=source.description, num_files=1, num_docs=None,
-                    num_tokens=int(tokens.size), tokenizer_path=None,
-                    from_cache=from_cache)
-  return tokens, None, info
+def _load_token_files(source, vocab_size, cache_dir):
+  """Each shard's memmap, the token set's tokenizer (or None) and the `CorpusInfo`."""
+  shards, from_cache = [], True
+  for path, count in source.shards:
+    tokens, cached = token_file.load_token_file(path, vocab_size, cache_dir, source.dtype,
+                                                count)
+    shards.append(tokens)
+    from_cache &= cached
+  tokenizer = None
+  if source.tokenizer is not None:  # the set's copy: generation and the export decode with it
+    if not os.path.isfile(source.tokenizer):
+      raise field_error("path", f"{source.description} names the tokenizer "
+                        f"{source.tokenizer!r}, which is missing")
+    try:
+      tokenizer = tokenizer_lib.load_given_tokenizer(source.tokenizer, vocab_size)
+    except DataError as err:  # it names model.init_from: this tokenizer came with data.path
+      field, why = str(err).split(": ", 1)
+      raise field_error("path" if field == "model.init_from" else "vocab_size",
+                        f"{source.description}: {why}") from None
+  info = CorpusInfo(source=source.description, num_files=len(shards), num_docs=None,
+                    num_tokens=sum(int(t.size) for t in shards),
+                    tokenizer_path=source.tokenizer, from_cache=from_cache)
+  return shards, tokenizer, info
+
+
+def _shard_rows(shards, seq_len):
+  """The sequences of each shard (none spans two), as one array of rows."""
+  parts = [packing.cut_into_sequences(tokens, seq_len) for tokens in shards]
+  return parts[0] if len(parts) == 1 else ShardedRows(parts)
 
 
 def _num_validation_sequences(total: int, val_fraction: float) -> int:

@@ -223,13 +223,18 @@ class PackedDataset:
               f"{self.num_sequences:,} train + {val:,} val")
     split = (f"  {info.num_tokens:,} tokens -> {counts} sequences of {self.seq_len + 1} "
              f"tokens (order seed {self.seed})")
-    if info.tokenizer_path is None:
+    if info.tokenizer_path is None or info.num_docs is None:
       tokenizer = f"  pre-tokenized, vocabulary {self.vocab_size:,}"
+      if info.tokenizer_path is not None:  # a token set's copy of its tokenizer
+        tokenizer += f", tokenizer {info.tokenizer_path}"
     else:
       copy = f", copy of {info.tokenizer_origin}" if info.tokenizer_origin else ""
       tokenizer = (f"  tokenizer: {info.tokenizer_path} "
                    f"({self.tokenizer.get_vocab_size():,} tokens{copy})")
-    tokenizer += ", reused from cache" if info.from_cache else ", built"
+    if info.num_docs is None:  # ids read as they are: only their largest was scanned
+      tokenizer += ", largest id from cache" if info.from_cache else ", ids scanned"
+    else:
+      tokenizer += ", reused from cache" if info.from_cache else ", built"
     return "\n".join([origin, split, tokenizer])
 
 

@@ -38,10 +38,29 @@ class _UsageError(Exception):
   pass
 
 
+# What --help says of the settings argparse does not declare (``parse_overrides`` reads them).
+_SETTINGS_HELP = """settings, as --config.FIELD=VALUE (the names train.py's flags take):
+  --config.mesh.tp=N        slots of the TP group (default 1: one device)
+  --config.ntp.failed=S,..  slots left out, e.g. 3 (TP degree 7 of 8)
+  --config.ntp.slot_weights=W,..
+                            per-slot relative speeds, as for training
+  --config.model.FIELD=V    a field of the model, typed as the field (the GPT's: dtype,
+                            param_dtype, ffn_granularity, ...); --config.model.factory
+                            reads an hf: folder as another model than the GPT
+
+example:
+  python -m ntp_jax.generate --from runs/tiny --prompt "def __init__(self" \\
+      --config.mesh.tp=8 --config.ntp.failed=3 --temperature 0.8 --top-k 40
+"""
+
+
 def _parser() -> _Parser:
   parser = _Parser(prog="python -m ntp_jax.generate",
+                   usage="%(prog)s --from ORIGIN --prompt PROMPT [options] "
+                         "[--config.FIELD=VALUE ...]",
                    description="Continue a prompt with a model from a Hugging Face folder "
-                               "or a run's checkpoint, on any TP plan.")
+                               "or a run's checkpoint, on any TP plan.",
+                   epilog=_SETTINGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--from", dest="origin", required=True,
                       help="hf:FOLDER, or a run's workdir / checkpoint folder / step folder")
   parser.add_argument("--prompt", required=True, help="the text to continue")
@@ -122,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _generate(args, overrides: dict[str, str], tp: int) -> int:
   import time
 
-  from ntp_jax.errors import ConfigError
+  from ntp_jax.errors import ConfigError, too_few_devices
   from ntp_jax.generate.decoder import Decoder
   from ntp_jax.generate.origin import open_origin, place
   from ntp_jax.generate.prompt import PromptCodec
@@ -150,8 +169,7 @@ def _generate(args, overrides: dict[str, str], tp: int) -> int:
                       f"{origin.max_len} ({origin.max_len_field}); at most {room}")
   import jax
   if len(jax.devices()) < tp:  # before any weight is read
-    raise ConfigError(f"mesh.tp: {tp} devices needed, {len(jax.devices())} present "
-                      f"({jax.devices()[0].platform})")
+    raise too_few_devices(("mesh.tp",), tp, len(jax.devices()), jax.devices()[0].platform)
   log = lambda line: print(line, file=sys.stderr)  # noqa: E731
   log(f"model: {origin.description}")
   log(f"tokenizer: {origin.tokenizer}")

@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from ntp_jax.data.dataset import TOKENIZER_FILE
-from ntp_jax.errors import ConfigError
+from ntp_jax.errors import ConfigError, too_few_devices
 from ntp_jax.layers.shard import replica_view
 from ntp_jax.model import ModelSpec, load_model_spec
 from ntp_jax.parallel.programs import abstract_class_state
@@ -282,8 +282,7 @@ def place(origin: Origin, tp: int, failed: tuple[int, ...] = (),
   """
   devices = list(jax.devices() if devices is None else devices)
   if len(devices) < tp:
-    raise ConfigError(f"mesh.tp: {tp} devices needed, {len(devices)} present "
-                      f"({devices[0].platform})")
+    raise too_few_devices(("mesh.tp",), tp, len(devices), devices[0].platform)
   layouts = origin.spec.layouts(tp, failed, weights)
   mesh = class_mesh([0], [live_slots(tp, failed)], tp, devices)
   graphdef, target = abstract_class_state(

@@ -23,6 +23,7 @@ complete record. Pattern as in levanter's ``TrainerHooks``; code our own.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -131,15 +132,45 @@ class StepInfo:
     return self.done == self.total
 
 
+# The methods the loop calls, and when: a subclass may define only these in public.
+HOOK_METHODS = {
+  "before_step": "before a step",
+  "on_step": "after a step",
+  "on_end": "once at the end",
+  "due": "whether on_step runs",
+}
+
+
+def _is_method(value: Any) -> bool:
+  return inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod))
+
+
 class Hook:
   """A hook on step events; subclass and override what you need.
+
+  A subclass defines only the methods below in public (helpers of its own start with
+  ``_``): a misspelt one (``after_step``) would never be called, so the class statement
+  raises instead.
 
   Attributes:
     every: ``on_step`` runs after every ``every``-th step done (``done %
       every == 0``); 0 never (``due`` may say otherwise).
+
+  Raises:
+    TypeError: at the class statement of a subclass with a public method the loop does not
+      call (naming the class, the method and the known ones).
   """
 
   every: int = 1
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    for name, value in vars(cls).items():
+      if not name.startswith("_") and _is_method(value) and name not in HOOK_METHODS:
+        known = ", ".join(f"{method} ({when})" for method, when in HOOK_METHODS.items())
+        raise TypeError(f"hook {cls.__qualname__}.{name}: a Hook has no method {name!r}, so "
+                        f"it would never be called; the methods are {known}; name a helper "
+                        f"of your own _{name}")
 
   def due(self, info: StepInfo) -> bool:
     return self.every > 0 and info.done % self.every == 0

@@ -75,7 +75,8 @@ def gather_series(path: str) -> RunSeries:
         series.marks.append(Mark(step, "resume", f"resume at {step}{after}"))
       ended = False
     elif event == "stop":
-      series.marks.append(Mark(step, "stop", f"stop ({row.get('signal', 'signal')})"))
+      why = row.get("signal") or (f"hook {row['hook']}" if "hook" in row else "signal")
+      series.marks.append(Mark(step, "stop", f"stop ({why})"))
       ended = True
     elif event == "end":
       ended = True

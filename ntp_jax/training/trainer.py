@@ -22,7 +22,7 @@ import numpy as np
 from ntp_jax.data import make_dataset
 from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.data.tokenizer import copy_file
-from ntp_jax.errors import ConfigError
+from ntp_jax.errors import too_few_devices
 from ntp_jax.layers.shard import replica_view
 from ntp_jax.model import ModelSpec, load_model_spec
 from ntp_jax.parallel.plan import Plan
@@ -31,6 +31,7 @@ from ntp_jax.processes.distributed import Job, check_domains, join, ordered_devi
 from ntp_jax.resilience.signals import StopSignals
 from ntp_jax.sharding.topology import is_mine
 from ntp_jax.state.checkpoint import Checkpoints
+from ntp_jax.training.caller_hooks import CallerHook, HookError
 from ntp_jax.training.compilation import make_folder, set_up_cache
 from ntp_jax.training.config import RunConfig, as_run_config
 from ntp_jax.training.footprint import ClassFootprint
@@ -125,9 +126,8 @@ def check_devices(plan: Plan, processes_per_domain: int = 1) -> list[jax.Device]
   devices = ordered_devices()
   needed = plan.dp * plan.tp
   if len(devices) < needed:
-    raise ConfigError(f"mesh: mesh.dp x mesh.tp = {needed} devices needed, "
-                      f"{len(devices)} present ({devices[0].platform}, "
-                      f"{jax.process_count()} process(es))")
+    raise too_few_devices(("mesh.dp", "mesh.tp"), needed, len(devices), devices[0].platform,
+                          jax.process_count())
   if jax.process_count() > 1:
     check_domains(devices[:needed], plan.tp, plan.dp, processes_per_domain)
   return devices[:needed]
@@ -151,7 +151,11 @@ def train(config, *, model: ModelSpec | None = None, log=print,
       detector (``hooks.DetectorHook``); it may raise ``events.DeviceFailure``.
     hooks: ``hooks.Hook``s, or functions of ``hooks.StepInfo`` called after
       every step, run after the default hooks (checkpoint, validation,
-      goodput, metrics, TensorBoard, progress).
+      goodput, metrics, TensorBoard, progress). An exception in one (or in
+      ``detector``) ends the run as a stop does: the steps done are saved
+      (``checkpoint.every > 0``, one process), a ``stop`` row names the hook
+      (``{"event": "stop", "hook": "Class.method", "error": ...}``), a line
+      says where it stopped, and the exception is raised again.
 
   Appends to ``<workdir>/metrics.jsonl`` (one JSON object per step: ``step``,
   ``loss``, ``tokens``, ``step_time_s``, ``tp_degree`` (the smallest live TP
@@ -176,6 +180,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   process 0 logs and writes the metrics (``docs/multihost.md``).
 
   Raises:
+    Exception: whatever a caller's hook raised, after the run has stopped as above.
     ConfigError, DataError: bad settings or input (one line naming the field);
       ``checkpoint.CheckpointError`` (a ``ConfigError``) for an unusable
       checkpoint, naming the path or parameter; ``resources.ResourceError``
@@ -243,7 +248,8 @@ def train(config, *, model: ModelSpec | None = None, log=print,
                        checkpoint=checkpoints.step_dir(start.step))
   log(start.plan.describe())
 
-  extra = ([DetectorHook(detector)] if detector is not None else []) + user_hooks
+  extra = [CallerHook(h) for h in
+           ([DetectorHook(detector)] if detector is not None else []) + user_hooks]
   lost = False
   with StopSignals(job.stop_agreement()) as stop:
     try:
@@ -336,19 +342,32 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
     writer.event("resume" if start.source is not None else "start", step=start.step,
                  data_cursor=start.cursor, plan=plan.summary())
 
-    run.train(config.train.steps, start.events, stop)
-
-    if checkpoints is not None and state.saved_step != state.step:
+    hook_error = None
+    try:
+      run.train(config.train.steps, start.events, stop)
+    except HookError as err:
+      hook_error = err  # the run ends as a stopped one does, then the hook's error is raised
+    # A save is collective over the processes: one whose hook raised cannot make it alone
+    # (the others meet its loss and write the last completed step themselves).
+    if (checkpoints is not None and state.saved_step != state.step
+        and (hook_error is None or jax.process_count() == 1)):
       run.save()
     if checkpoints is not None:
       with run.clock.timed("checkpoint_save"):
         checkpoints.wait()
     where = checkpoints.step_dir(state.saved_step) if state.saved_step is not None else None
     finish(run, config, log)
+    saved = (f"checkpoint written to {where}" if where else
+             "no checkpoint written (checkpoint.every=0)")
+    if hook_error is not None:
+      writer.event("stop", step=state.step, hook=hook_error.where,
+                   error=f"{type(hook_error.error).__name__}: {hook_error.error}",
+                   checkpoint=where)
+      plot(run, config, log)
+      log(f"stopped after {state.step} steps: {hook_error}; {saved}")
+      raise hook_error.error
     if stop.received is not None:
       writer.event("stop", step=state.step, signal=stop.received, checkpoint=where)
-      saved = (f"checkpoint written to {where}" if where else
-               "no checkpoint written (checkpoint.every=0)")
       plot(run, config, log)  # after the stop's row; the line saying where it stopped is last
       log(f"interrupted at step {state.step} ({stop.received}); {saved}")
     else:

@@ -1,12 +1,15 @@
 """Step hooks added from Python: they see every step, in order, and can inject failures."""
 
+import os
+
 import numpy as np
+import pytest
 from helpers import tiny_config
 
 from ntp_jax.resilience.events import Event
 from ntp_jax.training.hooks import Hook, RunServices, StepInfo
 from ntp_jax.training.loop import TrainingRun
-from ntp_jax.training.metrics import read_metrics
+from ntp_jax.training.metrics import read_metrics, read_records
 from ntp_jax.training.trainer import train
 
 
@@ -71,3 +74,31 @@ def test_hooks_from_python_see_every_step_and_the_complete_record(tmp_path):
   # Hooks get the step's facts and the services they may use, never the trainer itself.
   assert len(nosy.errors) == steps and not nosy.found
   assert all(isinstance(i.services, RunServices) for i in every_step.seen)
+
+
+class RaisesAt(Hook):
+  """Raises ``ValueError`` after step ``step``: a bug in the caller's hook."""
+
+  def __init__(self, step):
+    self.step = step
+
+  def on_step(self, info):
+    if info.step == self.step:
+      raise ValueError(f"bug at step {info.step}")
+
+
+def test_a_hook_that_raises_stops_the_run_with_a_checkpoint_and_a_stop_row(tmp_path):
+  # No periodic checkpoint before the hook raises: only the stop can save the 4 steps done.
+  config = tiny_config(tmp_path, **{"train.steps": 6, "mesh.tp": 2, "checkpoint.every": 10})
+  lines = []
+  with pytest.raises(ValueError, match="bug at step 3"):
+    train(config, log=lambda line, *_, **__: lines.append(line), hooks=[RaisesAt(3)])
+  checkpoint = os.path.join(tmp_path, "checkpoints", "4")
+  assert os.path.isdir(checkpoint)
+  rows = read_records(os.path.join(config.workdir, "metrics.jsonl"))
+  assert [r["step"] for r in rows if "event" not in r] == [0, 1, 2, 3]
+  assert rows[-1] == {"event": "stop", "step": 4, "hook": "RaisesAt.on_step",
+                      "error": "ValueError: bug at step 3",
+                      "checkpoint": checkpoint}
+  assert lines[-1] == ("stopped after 4 steps: hook RaisesAt.on_step raised at step 3: "
+                       f"ValueError: bug at step 3; checkpoint written to {checkpoint}")

@@ -29,3 +29,13 @@ def test_crashes_failures_and_repairs_are_marked_and_redone_steps_drawn_once(tmp
   title = run_title("runs/x", {"factory": "examples.mlp_lm:model_spec"}, series)
   assert title == ("runs/x: examples.mlp_lm:model_spec; mesh 2 x 4, TP degrees 4,4 -> 4,3, "
                    "2 sessions")
+
+
+def test_a_stop_by_a_hook_is_marked_with_the_hook(tmp_path):
+  rows = [{"event": "start", "step": 0, "plan": {"tp": 2}},
+          {"step": 0, "loss": 5.0, "tokens": 100, "step_time_s": 0.5},
+          {"event": "stop", "step": 1, "hook": "Watch.on_step", "error": "ValueError: x",
+           "checkpoint": None}]
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert [m.label for m in gather_series(str(path)).marks] == ["stop (hook Watch.on_step)"]
