@@ -85,6 +85,21 @@ def _events(rows, name):
   return [r for r in rows if r.get("event") == name]
 
 
+def _live_row(work, settings, at, ahead, env, name, launcher=()):
+  """The row of a run that recovers without a restart, compiled ahead or not."""
+  done = _launch(work, {**settings, **(AHEAD if ahead else {})},
+                 program="tests/programs/train_with_hooks.py", launcher=launcher,
+                 env={**env, **(WAIT if ahead else {})})
+  if done.returncode != 0:
+    raise SystemExit(done.stdout[-3000:])
+  rows = _rows(work)
+  times, recovered = _step_times(rows), _events(rows, "recovered")[0]
+  crossed = recovered.get("crossed_bytes")
+  return (name + (", compiled ahead" if ahead else ""), times[at] - times[at - 1], 0,
+          f"move {recovered['move_s']:.2f} s, compile {recovered['compile_s']:.2f} s"
+          + (f", {crossed / 1e6:.2f} MB between processes" if crossed else ""))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=30)
@@ -97,27 +112,18 @@ def main():
   die = {"NTP_JAX_DIE_AFTER": f"1:{at - 1}"}
   results = []
   with tempfile.TemporaryDirectory() as tmp:
+    live = {"ntp.recovery": "live", "ntp.fail_at": f"{at}@1:2", "checkpoint.every": 0}
     for ahead in (False, True):
-      work = os.path.join(tmp, f"live{int(ahead)}")
-      done = _launch(work, {**base, "ntp.recovery": "live", "ntp.fail_at": f"{at}@1:2",
-                            "checkpoint.every": 0, **(AHEAD if ahead else {})},
-                     program="tests/programs/train_with_hooks.py", env=WAIT if ahead else None)
-      if done.returncode != 0:
-        raise SystemExit(done.stdout[-3000:])
-      rows = _rows(work)
-      times, recovered = _step_times(rows), _events(rows, "recovered")[0]
-      results.append(("live across processes (process 1's slot 2 fails, its process lives)"
-                      + (", compiled ahead" if ahead else ""), times[at] - times[at - 1], 0,
-                      f"move {recovered['move_s']:.2f} s, compile "
-                      f"{recovered['compile_s']:.2f} s, "
-                      f"{recovered['crossed_bytes'] / 1e6:.2f} MB between processes"))
+      results.append(_live_row(
+          os.path.join(tmp, f"live{int(ahead)}"), {**base, **live}, at, ahead, {},
+          "live across processes (process 1's slot 2 fails, its process lives)"))
 
     for name, extra in (("just-in-time checkpoint", {"checkpoint.every": 1000}),
                         ("last periodic checkpoint (every 10 steps)",
                          {"checkpoint.every": 10, "distributed.jit_checkpoint_s": 0})):
       work = os.path.join(tmp, name.split()[0])
       settings = {**base, **extra}
-      done = _launch(work, settings, program="tests/programs/train_with_hooks.py", env=die)
+      _launch(work, settings, program="tests/programs/train_with_hooks.py", env=die)
       lost_at = _step_times(_rows(work))[at - 1]
       saved = sorted(int(p) for p in os.listdir(os.path.join(work, "checkpoints")) if p.isdigit())
       _restart(work, settings)
@@ -128,20 +134,12 @@ def main():
       results.append((f"process 1 lost, restart from the {name}", times[at] - lost_at,
                       at - saved[-1], note))
 
+    goes_on = {"checkpoint.every": 1000, "distributed.recoverable": True,
+               "ntp.rebalance": "constant"}
     for ahead in (False, True):
-      work = os.path.join(tmp, f"recoverable{int(ahead)}")
-      done = _launch(work, {**base, "checkpoint.every": 1000, "distributed.recoverable": True,
-                            "ntp.rebalance": "constant", **(AHEAD if ahead else {})},
-                     program="tests/programs/train_with_hooks.py", launcher=["--run-on"],
-                     env={**die, **(WAIT if ahead else {})})
-      if done.returncode != 0:
-        raise SystemExit(done.stdout[-3000:])
-      rows = _rows(work)
-      times, recovered = _step_times(rows), _events(rows, "recovered")[0]
-      results.append(("process 1 lost, survivors go on (distributed.recoverable)"
-                      + (", compiled ahead" if ahead else ""), times[at] - times[at - 1], 0,
-                      f"move {recovered['move_s']:.2f} s, compile "
-                      f"{recovered['compile_s']:.2f} s"))
+      results.append(_live_row(
+          os.path.join(tmp, f"recoverable{int(ahead)}"), {**base, **goes_on}, at, ahead, die,
+          "process 1 lost, survivors go on (distributed.recoverable)", launcher=["--run-on"]))
 
   print(f"`python bench/recovery_processes.py --steps {args.steps} --at {args.at} "
         f"--heartbeat {args.heartbeat:g}` (cpu, 2 processes x 4 devices, gpt_tiny, dp=2 tp=4, "

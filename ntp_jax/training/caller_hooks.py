@@ -48,34 +48,22 @@ class CallerHook(Hook):
       return getattr(self.hook.fn, "__qualname__", repr(self.hook.fn))
     return f"{type(self.hook).__qualname__}.{method}"
 
-  def due(self, info: StepInfo) -> bool:
+  def _call(self, method: str, step: int, *args):
     try:
-      return self.hook.due(info)
+      return getattr(self.hook, method)(*args)
     except _PASSED_THROUGH:
       raise
     except Exception as err:
-      raise HookError(self._where("due"), info.step, err) from err
+      raise HookError(self._where(method), step, err) from err
+
+  def due(self, info: StepInfo) -> bool:
+    return self._call("due", info.step, info)
 
   def before_step(self, step: int, services: RunServices) -> Sequence[Event]:
-    try:
-      return list(self.hook.before_step(step, services))
-    except _PASSED_THROUGH:
-      raise
-    except Exception as err:
-      raise HookError(self._where("before_step"), step, err) from err
+    return list(self._call("before_step", step, step, services))
 
   def on_step(self, info: StepInfo) -> None:
-    try:
-      self.hook.on_step(info)
-    except _PASSED_THROUGH:
-      raise
-    except Exception as err:
-      raise HookError(self._where("on_step"), info.step, err) from err
+    self._call("on_step", info.step, info)
 
   def on_end(self, services: RunServices) -> None:
-    try:
-      self.hook.on_end(services)
-    except _PASSED_THROUGH:
-      raise
-    except Exception as err:
-      raise HookError(self._where("on_end"), services.done, err) from err
+    self._call("on_end", services.done, services)
