@@ -234,7 +234,7 @@ class Checkpoints:
     except Exception as err:
       older = [s for s in self.all_steps() if s < step and self.is_complete(s)]
       hint = (f"remove it to resume from {self.step_dir(older[-1])}" if older else
-              "set checkpoint.resume=False to start afresh")
+              "set checkpoint.dir to a new folder to start afresh")
       raise CheckpointError(f"checkpoint {self.step_dir(step)}: a data file is missing or "
                             f"damaged ({_one_line(err)[:160]}...); {hint}") from None
     return flatten(dict(restored))

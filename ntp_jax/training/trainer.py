@@ -52,7 +52,12 @@ from ntp_jax.training.optim import make_optimizer
 from ntp_jax.training.process_guard import ProcessStop, end_after_grace
 from ntp_jax.training.report import parameter_table
 from ntp_jax.training.resources import check_footprint
-from ntp_jax.training.resume import ResumePoint, check_resumable, resume_point
+from ntp_jax.training.resume import (
+  ResumePoint,
+  check_resumable,
+  logical_requests,
+  resume_point,
+)
 from ntp_jax.training.run_plot import gather_series, plot_series, run_title
 
 
@@ -216,11 +221,12 @@ def train(config, *, model: ModelSpec | None = None, log=print,
 
   checkpoints = None
   try:
-    # A checkpoint this run cannot resume stops it before the data (a tokenizer to train can
-    # take many seconds); a bad data.path stops before a checkpoint folder is created.
+    # A checkpoint this run cannot resume (or a fresh run into another run's checkpoints)
+    # stops it before the data (a tokenizer to train can take many seconds); a bad data.path
+    # stops before a checkpoint folder is created.
     if config.checkpoint.enabled and os.path.isdir(config.checkpoint.dir):
       checkpoints = open_checkpoints(config)
-      check_resumable(config, checkpoints)
+      check_resumable(config, checkpoints, logical_requests(model, plan, optimizer))
     dataset = make_dataset(config.data.path or None, model.vocab_size, config.train.seq_len,
                            config.workdir, config.train.seed,
                            max_corpus_bytes=config.data.max_corpus_bytes,

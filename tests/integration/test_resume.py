@@ -134,6 +134,33 @@ def test_a_checkpoint_of_another_seq_len_stops_before_a_tokenizer_is_trained(tmp
   assert sorted(os.listdir(tmp_path / "data")) == entries  # no tokenizer of 1,024 tokens
 
 
+def test_a_checkpoint_of_another_vocabulary_stops_before_a_tokenizer_is_trained(tmp_path):
+  run(tmp_path, 1, tmp_path / "checkpoints")
+  entries = sorted(os.listdir(tmp_path / "data"))
+  with pytest.raises(ConfigError, match=r"^checkpoint .*/1: params/embed/embedding has shape "
+                                        r"\(2048, 128\), the model expects \(1024, 128\)$"):
+    run(tmp_path, 2, tmp_path / "checkpoints", **{"model.vocab_size": 1024})
+  assert sorted(os.listdir(tmp_path / "data")) == entries  # no tokenizer of 1,024 tokens
+
+
+def test_a_fresh_run_into_another_runs_checkpoints_is_refused_and_touches_nothing(
+    data_workdir, tmp_path):
+  """checkpoint.resume=False where checkpoints are: one line, nothing deleted or written (its
+  saves would delete the oldest step, and the next resume would continue the old run)."""
+  ckpt = tmp_path / "ckpt"
+  run(data_workdir, 7, ckpt)  # steps 6 and 7
+  before = sorted(os.listdir(ckpt))
+  metrics = (data_workdir / "metrics.jsonl").read_text()
+  with pytest.raises(ConfigError) as err:
+    run(data_workdir, 2, ckpt, **{"checkpoint.resume": False})
+  assert str(err.value) == (
+      f"checkpoint.resume=False: {ckpt} holds checkpoints of an earlier run (steps 6, 7); a "
+      "fresh run needs a folder of its own: set checkpoint.dir (or workdir) to a new folder, "
+      "or move that one aside")
+  assert sorted(os.listdir(ckpt)) == before
+  assert (data_workdir / "metrics.jsonl").read_text() == metrics
+
+
 def test_a_run_in_parts_on_one_schedule_equals_the_whole_run(data_workdir, tmp_path):
   """train.schedule_steps=10: 6 steps, then resumed to 10, follow the 10-step run's rate."""
   lr = {"train.warmup_steps": 2}
