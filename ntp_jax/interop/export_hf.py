@@ -34,7 +34,7 @@ from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.errors import ConfigError
 from ntp_jax.interop.hf_llama import WEIGHTS  # the weights file an export writes
 from ntp_jax.interop.hf_tokenizer import write_hf_tokenizer
-from ntp_jax.state.checkpoint import STATE, CheckpointError
+from ntp_jax.state.checkpoint import STATE, CheckpointError, one_line, quiet_late_reads
 from ntp_jax.state.placement import Path, nest
 from ntp_jax.training.stored_run import StoredRun, open_stored_run
 
@@ -85,9 +85,9 @@ def read_params_on_host(run: StoredRun) -> dict[Path, np.ndarray]:
       restored = reader.restore(where, args=ocp.args.PyTreeRestore(
           item=item, restore_args=restore_args, partial_restore=True))
   except Exception as err:  # orbax wraps OS and tensorstore errors in several types
-    raise CheckpointError(f"checkpoint {run.step_dir}: cannot read its "
-                          f"parameters ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
-                          ) from None
+    quiet_late_reads()
+    raise CheckpointError(f"checkpoint {run.step_dir}: cannot read its parameters "
+                          f"({one_line(err)})") from None
   out = {}
   for path, (shape, _) in shapes.items():
     value = restored

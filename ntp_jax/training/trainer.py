@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from ntp_jax.data import make_dataset
+from ntp_jax.data.corpus import resolve_source
 from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.data.tokenizer import copy_file
 from ntp_jax.errors import ConfigError
@@ -193,20 +194,23 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   config = as_run_config(config)
   user_hooks = [as_hook(h) for h in hooks]
   job = join(config.distributed)  # several processes: jax.distributed first, before computing
-  make_folder(config.workdir, "workdir")
-  # Before anything compiles: a restart loads what this run compiled.
-  set_up_cache(config.compile.cache_dir, config.workdir)
   # Process 0 speaks for the job; the others say only where they are.
   log = _logger(log) if job.primary else _quiet(log)
   model = model or load_model_spec(config.model.factory, config.source)
-  if config.model.init_from and model.tokenizer_file is None:
-    log(f"warning: model.init_from: {config.model.init_from} has no {TOKENIZER_FILE}; a "
-        f"{model.vocab_size:,}-token BPE tokenizer is trained on the data instead, whose ids "
-        "are not the tokens these weights learned")
   optimizer = make_optimizer(config.train)
   plan_of = functools.partial(plan_for, config, model)
   plan = plan_of(config.ntp.failed)
   devices = check_devices(plan, job.processes_per_domain)
+  if config.data.path:
+    resolve_source(config.data.path)  # a data.path that names nothing: before any folder
+  # What can be checked cheaply was: now the run's folders, and the persistent cache before
+  # anything compiles (a restart loads what this run compiled).
+  make_folder(config.workdir, "workdir")
+  set_up_cache(config.compile.cache_dir, config.workdir)
+  if config.model.init_from and model.tokenizer_file is None:
+    log(f"warning: model.init_from: {config.model.init_from} has no {TOKENIZER_FILE}; a "
+        f"{model.vocab_size:,}-token BPE tokenizer is trained on the data instead, whose ids "
+        "are not the tokens these weights learned")
   for note in job.notes:
     log(note)
   if job.multi_process:
@@ -373,26 +377,29 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
                      compiled_ahead=(ahead.compiled, ahead.seconds) if ahead else (0, 0.0))
 
 
-def closing_summary(records: list[dict[str, Any]], wall_s: float, metrics_path: str) -> str:
-  """Steps, tokens, wall time, tokens/s after compilation, final losses, where the metrics are."""
+def closing_summary(records: list[dict[str, Any]], wall_s: float, metrics_path: str,
+                    compile_s: float) -> str:
+  """Steps, tokens, wall time and the part of it spent compiling (``compile_s``: the goodput
+  clock's ``compile`` bucket, so the two lines agree), tokens/s after compilation, final
+  losses, where the metrics are."""
   if not records:
     return f"summary: no step run; metrics: {metrics_path}"
   tokens = sum(r["tokens"] for r in records)
   timed = [r for r in records if not r.get("compiled")]
   rate = (f"{sum(r['tokens'] for r in timed) / sum(r['step_time_s'] for r in timed):,.0f} "
           "tokens/s after compilation" if timed else "every step compiled")
-  compile_s = sum(r["step_time_s"] for r in records if r.get("compiled"))
   val = [r["val_loss"] for r in records if "val_loss" in r]
   losses = f"final loss {records[-1]['loss']:.4f}" + (
       f", validation loss {val[-1]:.4f}" if val else ", no validation loss")
   return (f"summary: {len(records)} steps ({records[0]['step']}-{records[-1]['step']}), "
-          f"{tokens:,} tokens in {wall_s:.1f} s (compiling steps {compile_s:.1f} s); "
+          f"{tokens:,} tokens in {wall_s:.1f} s ({compile_s:.1f} s of it compiling); "
           f"{rate}; {losses}\n  metrics: {metrics_path}")
 
 
 def finish(run: TrainingRun, config: RunConfig, log) -> None:
   """Closing summary: the run's figures, goodput buckets, program cache."""
-  log(closing_summary(run.records, run.clock.wall(), run.writer.path))
+  log(closing_summary(run.records, run.clock.wall(), run.writer.path,
+                      run.clock.buckets()["compile"]))
   log(run.clock.summary())
   if run.redone_steps:
     log(f"redone: {run.redone_steps} step(s)")

@@ -118,6 +118,24 @@ def test_checkpoint_of_another_model_and_a_damaged_one_are_one_line_errors(data_
   assert str(err.value).startswith(f"checkpoint {step_dir}") and "\n" not in str(err.value)
 
 
+def test_a_damaged_data_file_is_one_line_naming_the_cause_not_the_store(data_workdir, tmp_path):
+  ckpt = tmp_path / "ckpt"
+  run(data_workdir, 2, ckpt)
+  chunks = [os.path.join(d, f) for d, _, fs in os.walk(ckpt / "2" / "state")
+            if os.path.basename(d) == "d" and "ocdbt" in d for f in fs
+            if os.path.getsize(os.path.join(d, f)) > 100_000]  # array data, not metadata
+  assert chunks
+  for path in chunks:
+    with open(path, "r+b") as f:
+      f.truncate(100)
+  with pytest.raises(ConfigError) as err:
+    run(data_workdir, 4, ckpt)
+  text = str(err.value)
+  assert text.startswith(f"checkpoint {ckpt / '2'}: a data file is missing or damaged "
+                         "(ValueError: OUT_OF_RANGE: Error reading "), text
+  assert "TensorStore details" not in text and "<bound method" not in text, text
+
+
 def test_checkpoint_dir_that_is_a_file_is_a_one_line_error(data_workdir, tmp_path):
   (tmp_path / "file").write_text("x")
   with pytest.raises(ConfigError, match=r"^checkpoint.dir:"):
