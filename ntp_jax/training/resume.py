@@ -181,8 +181,9 @@ def check_same_schedule(config: RunConfig, stored: StoredRun, log) -> None:
              if before[k] is not None and before[k] != getattr(config.train, k)]
   if changed:
     log(f"warning: the learning-rate schedule differs from the one {stored.step_dir} was "
-        f"written with ({', '.join(changed)}): the rate follows this run's curve from here; set "
-        f"train.schedule_steps to the final step count to train in parts on one curve")
+        f"written with ({', '.join(changed)}): the rate follows this run's curve from here, and "
+        "the step compiles anew (the schedule is part of its program); set "
+        "train.schedule_steps to the final step count to train in parts on one curve")
 
 
 def describe_written_plan(summary: dict[str, Any]) -> str:

@@ -164,7 +164,9 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   degree), ``tp_degrees`` (one per live replica), ``grad_norm``,
   ``global_batch``, ``data_cursor`` (sequences consumed after the step),
   ``goodput``, ``effective_tokens_per_s``, ``checkpoint_s`` on steps that
-  start a checkpoint and ``val_loss`` on validation steps; event rows mark
+  start a checkpoint, ``val_loss`` on validation steps, and ``compiled``
+  with ``programs_compiled`` and ``programs_loaded`` (from the persistent
+  compilation cache) on steps whose programs were new to the process; event rows mark
   each start, resume, failure, repair and stop) and logs a progress line
   every ``train.log_every`` steps.
 
