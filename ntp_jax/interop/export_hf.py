@@ -1,4 +1,4 @@
-"""``python -m ntp_jax.interop.export_hf --checkpoint DIR [--step N] --out FOLDER``.
+"""``python -m ntp_jax.interop.export_hf --checkpoint DIR [--step N] --out FOLDER [--force]``.
 
 Writes one step of a run's checkpoints (read with ``ntp_jax.training.stored_run``:
 the ``meta`` item holds the run's config, the ``state`` item the logical
@@ -10,11 +10,18 @@ parameters) as a Hugging Face folder (the model's ``ModelSpec.export_hf``; for t
 checkpoints. The parameters are read on this host with plain orbax (the
 optimizer state is not read), so any device count works; the host needs
 memory for the model in float32 twice.
+
+``--out`` must be a new or empty folder: files already there (a config of
+the user's, the shards and index of another model, which a loader would read
+instead of ``model.safetensors``) would mix with the export. ``--force``
+writes over such a folder and removes the other model's weight files
+(``STALE_WEIGHTS``). Bad input is one line and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import sys
@@ -25,10 +32,41 @@ import orbax.checkpoint as ocp
 
 from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.errors import ConfigError
+from ntp_jax.interop.hf_llama import WEIGHTS  # the weights file an export writes
 from ntp_jax.interop.hf_tokenizer import write_hf_tokenizer
-from ntp_jax.state.checkpoint import STATE, CheckpointError
+from ntp_jax.state.checkpoint import STATE, CheckpointError, one_line, quiet_late_reads
 from ntp_jax.state.placement import Path, nest
 from ntp_jax.training.stored_run import StoredRun, open_stored_run
+
+USAGE_ERROR = 2  # bad input, as train.py
+# Weight files of another model a Hugging Face loader reads before (or besides) WEIGHTS.
+STALE_WEIGHTS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
+                 "pytorch_model*.bin.index.json")
+
+
+def check_out(out: str, force: bool = False) -> list[str]:
+  """Whether the export may write into ``out``; returns the stale weight files (names in
+  ``out``) that ``--force`` removes first.
+
+  Raises:
+    ConfigError: naming ``--out``: it is a file, or a folder that is not empty (without
+      ``force``), or one that cannot be listed.
+  """
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ConfigError(f"--out: {out} is a file, not a folder; name a new or empty folder")
+  if not os.path.isdir(out):
+    return []
+  try:
+    names = sorted(os.listdir(out))
+  except OSError as err:
+    raise ConfigError(f"--out: cannot list {out} ({err.strerror})") from None
+  if names and not force:
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    raise ConfigError(f"--out: {out} is not empty ({shown}); name a new or empty folder, or "
+                      "pass --force to write over it (removing the weight files of any other "
+                      "model there)")
+  return [n for n in names if n != WEIGHTS and os.path.isfile(os.path.join(out, n))
+          and any(fnmatch.fnmatch(n, pattern) for pattern in STALE_WEIGHTS)]
 
 
 def read_params_on_host(run: StoredRun) -> dict[Path, np.ndarray]:
@@ -47,9 +85,9 @@ def read_params_on_host(run: StoredRun) -> dict[Path, np.ndarray]:
       restored = reader.restore(where, args=ocp.args.PyTreeRestore(
           item=item, restore_args=restore_args, partial_restore=True))
   except Exception as err:  # orbax wraps OS and tensorstore errors in several types
-    raise CheckpointError(f"checkpoint {run.step_dir}: cannot read its "
-                          f"parameters ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
-                          ) from None
+    quiet_late_reads()
+    raise CheckpointError(f"checkpoint {run.step_dir}: cannot read its parameters "
+                          f"({one_line(err)})") from None
   out = {}
   for path, (shape, _) in shapes.items():
     value = restored
@@ -62,9 +100,10 @@ def read_params_on_host(run: StoredRun) -> dict[Path, np.ndarray]:
   return out
 
 
-def export_checkpoint(directory: str, out: str, step: int | None = None, *,
+def export_checkpoint(directory: str, out: str, step: int | None = None, *, force: bool = False,
                       log=lambda line: print(f"export_hf: {line}", file=sys.stderr)) -> int:
-  """Write step ``step`` (default: the newest complete one) of ``directory`` to ``out``.
+  """Write step ``step`` (default: the newest complete one) of ``directory`` to ``out``,
+  a new or empty folder (or any folder with ``force``: see ``check_out``).
 
   ``directory`` is a run's checkpoints folder (or its workdir, or one step
   folder: ``ntp_jax.training.stored_run.open_stored_run``). The run's tokenizer
@@ -80,20 +119,31 @@ def export_checkpoint(directory: str, out: str, step: int | None = None, *,
       no complete checkpoint, no such step), or the checkpoint's config
       field or parameter that does not fit the model (a run trained from
       ``model.init_from="hf:FOLDER"`` reads that folder's ``config.json``
-      again for its shape), or a model without a Hugging Face export.
+      again for its shape), or a model without a Hugging Face export; naming
+      ``--out`` when it is a file, a folder not empty (without ``force``), or
+      cannot be written.
   """
   run = open_stored_run(directory, step, field="--checkpoint")
   model = run.model_spec()  # the model its config names
   if model.export_hf is None:
     raise CheckpointError(f"checkpoint {run.step_dir}: its model ({run.factory}) has no "
                           "Hugging Face export")
+  stale = check_out(out, force)  # before the parameters are read: that takes a while
   params = read_params_on_host(run)
   seq_len = run.seq_len  # None in a config without it: no max_position_embeddings
-  model.export_hf(params, out, max_position_embeddings=seq_len)
-  if run.tokenizer_file is not None:
-    eot_id = write_hf_tokenizer(run.tokenizer_file, out, model_max_length=seq_len)
-    _set_token_ids(os.path.join(out, "config.json"), eot_id)
-  else:
+  try:
+    for name in stale:
+      os.remove(os.path.join(out, name))
+    if stale:
+      log(f"--force: removed {', '.join(stale)} from {out} (another model's weights)")
+    model.export_hf(params, out, max_position_embeddings=seq_len)
+    if run.tokenizer_file is not None:
+      eot_id = write_hf_tokenizer(run.tokenizer_file, out, model_max_length=seq_len)
+      _set_token_ids(os.path.join(out, "config.json"), eot_id)
+  except OSError as err:
+    raise ConfigError(f"--out: cannot write {err.filename or out} "
+                      f"({err.strerror or err})") from None
+  if run.tokenizer_file is None:
     log(f"warning: --checkpoint: {run.directory} holds no {TOKENIZER_FILE} (a run on .bin "
         f"tokens, or one older than that copy): {out} has no tokenizer")
   return run.step
@@ -121,13 +171,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--step", type=int, default=None,
                       help="step to export (default: the newest complete one)")
   parser.add_argument("--out", required=True,
-                      help="folder for config.json, model.safetensors and the tokenizer")
+                      help="a new or empty folder for config.json, model.safetensors and the "
+                           "tokenizer")
+  parser.add_argument("--force", action="store_true",
+                      help="write into a folder that is not empty, removing any other model's "
+                           "weight files there")
   args = parser.parse_args(argv)
   try:
-    step = export_checkpoint(args.checkpoint, args.out, args.step)
+    step = export_checkpoint(args.checkpoint, args.out, args.step, force=args.force)
   except ConfigError as err:
     print(f"export_hf: {err}", file=sys.stderr)
-    return 1
+    return USAGE_ERROR
   print(f"wrote step {step} of {args.checkpoint} to {args.out}")
   return 0
 

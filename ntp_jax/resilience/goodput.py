@@ -3,7 +3,8 @@
 
 Buckets: ``productive`` (steps that advance training, after their program
 was compiled), ``compile`` (the first step of each newly built set of
-programs: tracing and compilation dominate it), ``reconfigure`` (new plan,
+programs: tracing and compilation dominate it; what a recovery compiles on
+its critical path; waits for the background compile), ``reconfigure`` (new plan,
 state moved into the new layouts), ``checkpoint_save`` (the time steps are
 held by saves), ``checkpoint_restore``, ``redone`` (work thrown away: a step
 cut by a failure inside it, steps repeated after a restart), and ``idle``

@@ -22,6 +22,8 @@ finish is never listed (``latest_step``).
 from __future__ import annotations
 
 import os
+import re
+import sys
 import time
 from typing import Any
 
@@ -41,9 +43,40 @@ class CheckpointError(ConfigError):
   """A checkpoint that cannot be used; one line naming the path or the parameter."""
 
 
-def _one_line(err: BaseException) -> str:
-  text = " ".join(str(err).split())
-  return f"{type(err).__name__}: {text[:300]}"
+def one_line(err: BaseException, limit: int = 300) -> str:
+  """``Type: message`` of the innermost error of ``err``'s chain, on one line, at most
+  ``limit`` characters of message: orbax wraps TensorStore's error (which names the array
+  and the byte range) in one whose text is a repr of the whole store spec."""
+  chain = [err]
+  while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None \
+      and inner not in chain:
+    chain.append(inner)
+  root = chain[-1]
+  text = re.sub(r"\s*See full TensorStore details:.*", "", " ".join(str(root).split()))
+  text = text if len(text) <= limit else text[:limit - 3] + "..."
+  return f"{type(root).__name__}: {text}" if text else type(root).__name__
+
+
+def _is_late_read(unraisable) -> bool:
+  """TensorStore's callback of a read still in flight when a restore failed, landing on the
+  event loop orbax has closed since: it says nothing the restore's error did not."""
+  return (unraisable.exc_type is RuntimeError
+          and str(unraisable.exc_value) == "Event loop is closed")
+
+
+def quiet_late_reads() -> None:
+  """From now on, drop the tracebacks that the reads still in flight after a failed restore
+  print when they end (``_is_late_read``); every other unraisable error goes on to the
+  hook there was. Idempotent."""
+  hook = sys.unraisablehook
+  if getattr(hook, "drops_late_reads", False):
+    return
+
+  def drop_late_reads(unraisable):
+    if not _is_late_read(unraisable):
+      hook(unraisable)
+  drop_late_reads.drops_late_reads = True
+  sys.unraisablehook = drop_late_reads
 
 
 class Checkpoints:
@@ -95,7 +128,7 @@ class Checkpoints:
                          META: ocp.JsonCheckpointHandler()})
     except Exception as err:  # orbax wraps OS errors in several types
       raise CheckpointError(f"checkpoint.dir: cannot open {self.directory} "
-                            f"({_one_line(err)})") from None
+                            f"({one_line(err)})") from None
 
   def restrict(self, processes: set[int]) -> None:
     """From now on only ``processes`` take part (the others were lost). A save in flight
@@ -166,7 +199,7 @@ class Checkpoints:
           force=True)
     except Exception as err:
       raise CheckpointError(f"checkpoint.dir: saving step {step} to {self.step_dir(step)} "
-                            f"failed ({_one_line(err)})") from None
+                            f"failed ({one_line(err)})") from None
     return time.perf_counter() - start
 
   def wait(self) -> None:
@@ -180,7 +213,7 @@ class Checkpoints:
       self._manager.check_for_errors()
     except Exception as err:
       raise CheckpointError(f"checkpoint.dir: a save to {self.directory} failed "
-                            f"({_one_line(err)})") from None
+                            f"({one_line(err)})") from None
 
   def close(self) -> None:
     self.wait()
@@ -197,7 +230,7 @@ class Checkpoints:
           **{META: ocp.args.JsonRestore()}))[META]
     except Exception as err:
       raise CheckpointError(f"checkpoint {self.step_dir(step)}: cannot read its metadata "
-                            f"({_one_line(err)})") from None
+                            f"({one_line(err)})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
       raise CheckpointError(f"checkpoint {self.step_dir(step)}: not an ntp_jax checkpoint of "
                             f"format {FORMAT_VERSION}")
@@ -215,7 +248,7 @@ class Checkpoints:
       return {path: (tuple(m.shape), str(m.dtype)) for path, m in leaves.items()}
     except Exception as err:
       raise CheckpointError(f"checkpoint {self.step_dir(step)}: cannot read its array "
-                            f"metadata ({_one_line(err)})") from None
+                            f"metadata ({one_line(err)})") from None
 
   def source(self, step: int) -> CheckpointSource:
     """A ``placement.LogicalSource`` reading ``step``."""
@@ -232,11 +265,12 @@ class Checkpoints:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           **{STATE: ocp.args.StandardRestore(nest(requests))}))[STATE]
     except Exception as err:
+      quiet_late_reads()
       older = [s for s in self.all_steps() if s < step and self.is_complete(s)]
       hint = (f"remove it to resume from {self.step_dir(older[-1])}" if older else
-              "set checkpoint.resume=False to start afresh")
+              "set checkpoint.dir to a new folder to start afresh")
       raise CheckpointError(f"checkpoint {self.step_dir(step)}: a data file is missing or "
-                            f"damaged ({_one_line(err)[:160]}...); {hint}") from None
+                            f"damaged ({one_line(err)}); {hint}") from None
     return flatten(dict(restored))
 
 

@@ -10,6 +10,9 @@
   compiling (``jax.monitoring`` events), so the loop can say
   what a recovery spent compiling on its critical path while a background
   thread compiles other plans (``ntp_jax.training.precompile``).
+- ``compile_counts``: programs the calling thread has had XLA compile, and
+  those it loaded from the persistent cache instead, so a step can say which
+  it did (a restart should load every program the previous session compiled).
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ from ntp_jax.errors import ConfigError
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
 
+# One per program that goes to XLA: its compile, or its load from the persistent cache.
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # ... the load
+
 _seconds: collections.Counter = collections.Counter()  # thread id -> seconds compiling
+_requests: collections.Counter = collections.Counter()  # thread id -> programs sent to XLA
+_hits: collections.Counter = collections.Counter()  # thread id -> of those, loaded
 _listening = False
 _lock = threading.Lock()
 
@@ -36,16 +45,36 @@ _lock = threading.Lock()
 def _listen(event: str, duration: float, **_) -> None:
   if event in COMPILE_EVENTS:
     _seconds[threading.get_ident()] += duration
+  if event == BACKEND_COMPILE_EVENT:
+    _requests[threading.get_ident()] += 1
 
 
-def compile_seconds() -> float:
-  """Seconds the calling thread has spent compiling since the first call (take differences)."""
+def _listen_hits(event: str, **_) -> None:
+  if event == CACHE_HIT_EVENT:
+    _hits[threading.get_ident()] += 1
+
+
+def _start_listening() -> None:
   global _listening
   with _lock:
     if not _listening:  # one listener per process: jax.monitoring has no public unregister
       jax.monitoring.register_event_duration_secs_listener(_listen)
+      jax.monitoring.register_event_listener(_listen_hits)
       _listening = True
+
+
+def compile_seconds() -> float:
+  """Seconds the calling thread has spent compiling since the first call (take differences)."""
+  _start_listening()
   return _seconds[threading.get_ident()]
+
+
+def compile_counts() -> tuple[int, int]:
+  """``(compiled, loaded)``: programs the calling thread has had XLA compile, and those it
+  loaded from the persistent compilation cache, since the first call (take differences)."""
+  _start_listening()
+  me = threading.get_ident()
+  return _requests[me] - _hits[me], _hits[me]
 
 
 _chosen: str | None = None  # the folder set_up_cache chose (not the environment's)

@@ -362,8 +362,9 @@ def parse_failed(text: str, dp: int, tp: int) -> FailedSlots:
     item = item.strip()
     match = re.fullmatch(r"(?:(\d+):)?(\d+)", item)
     if not match:
-      raise ConfigError(f"ntp.failed: {item!r} is not a slot ('3') or a replica:slot pair "
-                        f"('1:3'); got {text!r}")
+      within = f" (in {text!r})" if item != text else ""  # the item alone when it is all
+      raise ConfigError(f"ntp.failed: {item!r}{within} is not a slot ('3') or a replica:slot "
+                        "pair ('1:3')")
     replica, slot = int(match.group(1) or 0), int(match.group(2))
     if replica >= dp:
       raise ConfigError(f"ntp.failed: replica {replica} in {item!r} does not exist "

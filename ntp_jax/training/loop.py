@@ -41,7 +41,7 @@ from ntp_jax.state.peer import PeerSource, poison
 from ntp_jax.state.placement import LogicalSource
 from ntp_jax.state.sources import InitSource
 from ntp_jax.state.spanning import processes_without_pieces
-from ntp_jax.training.compilation import compile_seconds
+from ntp_jax.training.compilation import compile_counts, compile_seconds
 from ntp_jax.training.config import RunConfig
 from ntp_jax.training.hooks import Hook, RunServices, StepInfo
 from ntp_jax.training.precompile import PlanJob, Precompiler
@@ -434,7 +434,9 @@ class TrainingRun:
     tokens = plan.global_batch * self.config.train.seq_len
     batch = self._rows()
     if state.compile_next:
-      self.log(f"  step {state.step}: compiling the programs of this plan")
+      self.log(f"  step {state.step}: compiling the programs of this plan (or loading them "
+               "from the compilation cache)")
+      counts = compile_counts()
     busy = self.precompiler is not None and self.precompiler.busy
     start = time.perf_counter()
     self.guard.step_starts(state.compile_next)
@@ -467,7 +469,13 @@ class TrainingRun:
               "grad_norm": grad_norm, "global_batch": plan.global_batch,
               "data_cursor": state.cursor + plan.global_batch, "time": time.time()}
     if compiled:
-      record["compiled"] = True
+      record["compiled"] = True  # new to this process: compiled, or loaded from the cache
+      # Which: a restart should load every program the previous session compiled.
+      (fresh, loaded), (fresh_before, loaded_before) = compile_counts(), counts
+      record["programs_compiled"] = fresh - fresh_before
+      record["programs_loaded"] = loaded - loaded_before
+      self.log(f"  step {state.step}: {record['programs_compiled']} program(s) compiled, "
+               f"{record['programs_loaded']} loaded from the compilation cache")
       self.cache.mark_compiled(job_step.keys)
     if busy:
       record["precompiling"] = True  # a background compile shared the machine

@@ -12,11 +12,15 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import optax
+
 from ntp_jax.errors import ConfigError
+from ntp_jax.model import ModelSpec
 from ntp_jax.parallel.plan import Plan
+from ntp_jax.parallel.programs import abstract_class_state
 from ntp_jax.resilience.events import Event
 from ntp_jax.state.checkpoint import CheckpointError, Checkpoints
-from ntp_jax.state.placement import LogicalSource
+from ntp_jax.state.placement import LogicalSource, Path, leaves_of
 from ntp_jax.training.config import RunConfig
 from ntp_jax.training.stored_run import StoredRun, read_stored_run
 
@@ -69,7 +73,8 @@ def resume_point(config: RunConfig, checkpoints: Checkpoints | None, plan: Plan,
   if stored.plan is None or stored.data_cursor is None:
     missing = "plan" if stored.plan is None else "data_cursor"
     raise CheckpointError(f"checkpoint {stored.step_dir}: its metadata has no {missing}, so "
-                          "the run cannot resume from it; set checkpoint.resume=False")
+                          "the run cannot resume from it; start afresh in another "
+                          "checkpoint.dir")
   log(f"resuming from step {latest} of {stored.step_dir}")
   log(f"  written under: {describe_written_plan(stored.plan)}")
   cursor, source = stored.data_cursor, checkpoints.source(latest)
@@ -85,18 +90,55 @@ def resume_point(config: RunConfig, checkpoints: Checkpoints | None, plan: Plan,
                      tuple(e for e in config.ntp.events if e.step >= latest), make_plan(failed))
 
 
-def check_resumable(config: RunConfig, checkpoints: Checkpoints | None) -> None:
-  """What ``resume_point`` would refuse of the latest checkpoint, checked before the data is
-  read (a tokenizer may take many seconds to train first).
+def check_resumable(config: RunConfig, checkpoints: Checkpoints | None,
+                    logical: dict[Path, Any] | None = None) -> None:
+  """What ``resume_point`` and the restore would refuse of the latest checkpoint, checked
+  before the data is read (a tokenizer may take many seconds to train first).
+
+  Args:
+    logical: ``path -> jax.ShapeDtypeStruct`` of the logical state the run restores
+      (``logical_requests``); None skips the shape check.
 
   Raises:
-    ConfigError: naming ``train.seq_len`` (see ``check_same_data``).
+    ConfigError: naming ``checkpoint.resume`` when it is False and the folder holds
+      checkpoints (see ``check_fresh``); naming ``train.seq_len`` (see
+      ``check_seq_len``); ``CheckpointError`` naming the checkpoint and the first array
+      whose shape differs (another vocabulary, another model).
   """
-  if checkpoints is None or not config.checkpoint.resume:
+  if checkpoints is None:
+    return
+  if not config.checkpoint.resume:
+    check_fresh(checkpoints)
     return
   latest = checkpoints.latest_step()
   if latest is not None:
     check_seq_len(config, read_stored_run(checkpoints, latest, param_shapes=False))
+    if logical is not None:
+      checkpoints.source(latest).check(logical)
+
+
+def check_fresh(checkpoints: Checkpoints) -> None:
+  """A fresh run (``checkpoint.resume=False``) needs a checkpoint folder of its own: in one
+  that holds another run's steps, its saves would delete the oldest of them (``keep``) and
+  the next resume would continue the other run.
+
+  Raises:
+    ConfigError: naming ``checkpoint.resume``, the folder and its steps.
+  """
+  steps = checkpoints.all_steps()
+  if steps:
+    raise ConfigError(f"checkpoint.resume=False: {checkpoints.directory} holds checkpoints of "
+                      f"an earlier run (steps {', '.join(map(str, steps))}); a fresh run needs "
+                      "a folder of its own: set checkpoint.dir (or workdir) to a new folder, or "
+                      "move that one aside")
+
+
+def logical_requests(model: ModelSpec, plan: Plan,
+                     optimizer: optax.GradientTransformation) -> dict[Path, Any]:
+  """``path -> jax.ShapeDtypeStruct`` (logical shape and dtype) of the state a checkpoint
+  of this model and optimizer holds; from shapes only, nothing allocated."""
+  _, state = abstract_class_state(lambda: model.make(plan.logical_layouts), 1, optimizer)
+  return {leaf.path: leaf.abstract() for leaf in leaves_of(state)[0]}
 
 
 def check_seq_len(config: RunConfig, stored: StoredRun) -> None:
@@ -106,8 +148,8 @@ def check_seq_len(config: RunConfig, stored: StoredRun) -> None:
   if old is not None and old != config.train.seq_len:
     raise ConfigError(f"train.seq_len: the checkpoint {stored.step_dir} was written with "
                       f"train.seq_len={old}; its data position counts sequences of that "
-                      f"length (now {config.train.seq_len}); resume with {old} or set "
-                      "checkpoint.resume=False")
+                      f"length (now {config.train.seq_len}); resume with {old} or start afresh "
+                      "in another checkpoint.dir")
 
 
 def check_same_data(config: RunConfig, stored: StoredRun, log) -> None:
@@ -139,8 +181,9 @@ def check_same_schedule(config: RunConfig, stored: StoredRun, log) -> None:
              if before[k] is not None and before[k] != getattr(config.train, k)]
   if changed:
     log(f"warning: the learning-rate schedule differs from the one {stored.step_dir} was "
-        f"written with ({', '.join(changed)}): the rate follows this run's curve from here; set "
-        f"train.schedule_steps to the final step count to train in parts on one curve")
+        f"written with ({', '.join(changed)}): the rate follows this run's curve from here, and "
+        "the step compiles anew (the schedule is part of its program); set "
+        "train.schedule_steps to the final step count to train in parts on one curve")
 
 
 def describe_written_plan(summary: dict[str, Any]) -> str:

@@ -42,6 +42,8 @@ class RunSeries:
     sessions: processes that wrote the run (1 + resumes).
     plans: the plan summary (``Plan.summary``) of each session's start.
     final_degrees: the live replicas' TP degrees at the last step.
+    degrees: the live replicas' TP degrees the run went through, in step order, each change
+      once (``"8,8"``, ``"8,7"``, ...); from the step records, else the sessions' plans.
   """
 
   steps: list[int] = dataclasses.field(default_factory=list)
@@ -54,6 +56,7 @@ class RunSeries:
   sessions: int = 0
   plans: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   final_degrees: list[int] = dataclasses.field(default_factory=list)
+  degrees: list[str] = dataclasses.field(default_factory=list)
 
 
 def gather_series(path: str) -> RunSeries:
@@ -90,6 +93,10 @@ def gather_series(path: str) -> RunSeries:
                                 or ([last["tp_degree"]] if "tp_degree" in last else []))
   for step in sorted(by_step):
     record = by_step[step]
+    degrees = record.get("tp_degrees") or ([record["tp_degree"]] if "tp_degree" in record
+                                           else None)
+    if degrees is not None:
+      _append_change(series.degrees, ",".join(map(str, degrees)))
     series.steps.append(step)
     series.loss.append(record["loss"])
     series.tokens_per_s.append(None if record.get("compiled")
@@ -102,8 +109,8 @@ def gather_series(path: str) -> RunSeries:
 
 
 def run_title(workdir: str, model: Any, series: RunSeries) -> str:
-  """``WORKDIR: FACTORY (d_model 128, layers 2, vocab 2,048); mesh 1 x 8, TP degrees 8 -> 7``
-  (the first session's plan, the degrees of the last step).
+  """``WORKDIR: FACTORY (d_model 128, layers 2, vocab 2,048); mesh 1 x 8, TP degrees 8 -> 7 -> 8``
+  (the first session's mesh, the TP degrees the run went through).
 
   ``model`` is the config's ``model`` section; the shape fields shown are those it has.
   """
@@ -113,12 +120,31 @@ def run_title(workdir: str, model: Any, series: RunSeries) -> str:
   text = f"{workdir}: {model['factory']}" + (f" ({shape})" if shape else "")
   if series.plans:
     first = series.plans[0]
-    final = ",".join(map(str, series.final_degrees)) or _degrees(series.plans[-1])
-    degrees = [_degrees(first), final]
-    change = degrees[0] if degrees[0] == degrees[1] else f"{degrees[0]} -> {degrees[1]}"
-    text += f"; mesh {first.get('dp')} x {first.get('tp')}, TP degrees {change}"
+    text += f"; mesh {first.get('dp')} x {first.get('tp')}, TP degrees {_went_through(series)}"
   sessions = f", {series.sessions} sessions" if series.sessions > 1 else ""
   return text + sessions
+
+
+# Longer histories show their first and last few degrees around the count of changes.
+MAX_DEGREES_SHOWN = 6
+
+
+def _went_through(series: RunSeries) -> str:
+  """``8 -> 7 -> 8``: the degrees the run went through (the sessions' plans where the records
+  carry none), the middle of a long history elided."""
+  seen = list(series.degrees)
+  if not seen:
+    for plan in series.plans:
+      _append_change(seen, _degrees(plan))
+  if len(seen) > MAX_DEGREES_SHOWN:
+    half = MAX_DEGREES_SHOWN // 2
+    seen = seen[:half] + [f"... ({len(seen) - 1} changes)"] + seen[-half:]
+  return " -> ".join(seen)
+
+
+def _append_change(seen: list[str], degrees: str) -> None:
+  if not seen or seen[-1] != degrees:
+    seen.append(degrees)
 
 
 def _degrees(plan: dict[str, Any]) -> str:

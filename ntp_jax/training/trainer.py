@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from ntp_jax.data import make_dataset
+from ntp_jax.data.corpus import resolve_source
 from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.data.tokenizer import copy_file
 from ntp_jax.errors import too_few_devices
@@ -53,7 +54,12 @@ from ntp_jax.training.optim import make_optimizer
 from ntp_jax.training.process_guard import ProcessStop, end_after_grace
 from ntp_jax.training.report import parameter_table
 from ntp_jax.training.resources import check_footprint
-from ntp_jax.training.resume import ResumePoint, check_resumable, resume_point
+from ntp_jax.training.resume import (
+  ResumePoint,
+  check_resumable,
+  logical_requests,
+  resume_point,
+)
 from ntp_jax.training.run_plot import gather_series, plot_series, run_title
 
 
@@ -162,7 +168,9 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   degree), ``tp_degrees`` (one per live replica), ``grad_norm``,
   ``global_batch``, ``data_cursor`` (sequences consumed after the step),
   ``goodput``, ``effective_tokens_per_s``, ``checkpoint_s`` on steps that
-  start a checkpoint and ``val_loss`` on validation steps; event rows mark
+  start a checkpoint, ``val_loss`` on validation steps, and ``compiled``
+  with ``programs_compiled`` and ``programs_loaded`` (from the persistent
+  compilation cache) on steps whose programs were new to the process; event rows mark
   each start, resume, failure, repair and stop) and logs a progress line
   every ``train.log_every`` steps.
 
@@ -193,20 +201,23 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   config = as_run_config(config)
   user_hooks = [as_hook(h) for h in hooks]
   job = join(config.distributed)  # several processes: jax.distributed first, before computing
-  make_folder(config.workdir, "workdir")
-  # Before anything compiles: a restart loads what this run compiled.
-  set_up_cache(config.compile.cache_dir, config.workdir)
   # Process 0 speaks for the job; the others say only where they are.
   log = _logger(log) if job.primary else _quiet(log)
   model = model or load_model_spec(config.model.factory, config.source)
-  if config.model.init_from and model.tokenizer_file is None:
-    log(f"warning: model.init_from: {config.model.init_from} has no {TOKENIZER_FILE}; a "
-        f"{model.vocab_size:,}-token BPE tokenizer is trained on the data instead, whose ids "
-        "are not the tokens these weights learned")
   optimizer = make_optimizer(config.train)
   plan_of = functools.partial(plan_for, config, model)
   plan = plan_of(config.ntp.failed)
   devices = check_devices(plan, job.processes_per_domain)
+  if config.data.path:
+    resolve_source(config.data.path)  # a data.path that names nothing: before any folder
+  # What can be checked cheaply was: now the run's folders, and the persistent cache before
+  # anything compiles (a restart loads what this run compiled).
+  make_folder(config.workdir, "workdir")
+  set_up_cache(config.compile.cache_dir, config.workdir)
+  if config.model.init_from and model.tokenizer_file is None:
+    log(f"warning: model.init_from: {config.model.init_from} has no {TOKENIZER_FILE}; a "
+        f"{model.vocab_size:,}-token BPE tokenizer is trained on the data instead, whose ids "
+        "are not the tokens these weights learned")
   for note in job.notes:
     log(note)
   if job.multi_process:
@@ -221,11 +232,12 @@ def train(config, *, model: ModelSpec | None = None, log=print,
 
   checkpoints = None
   try:
-    # A checkpoint this run cannot resume stops it before the data (a tokenizer to train can
-    # take many seconds); a bad data.path stops before a checkpoint folder is created.
+    # A checkpoint this run cannot resume (or a fresh run into another run's checkpoints)
+    # stops it before the data (a tokenizer to train can take many seconds); a bad data.path
+    # stops before a checkpoint folder is created.
     if config.checkpoint.enabled and os.path.isdir(config.checkpoint.dir):
       checkpoints = open_checkpoints(config)
-      check_resumable(config, checkpoints)
+      check_resumable(config, checkpoints, logical_requests(model, plan, optimizer))
     dataset = make_dataset(config.data.path or None, model.vocab_size, config.train.seq_len,
                            config.workdir, config.train.seed,
                            max_corpus_bytes=config.data.max_corpus_bytes,
@@ -386,26 +398,29 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
                      compiled_ahead=(ahead.compiled, ahead.seconds) if ahead else (0, 0.0))
 
 
-def closing_summary(records: list[dict[str, Any]], wall_s: float, metrics_path: str) -> str:
-  """Steps, tokens, wall time, tokens/s after compilation, final losses, where the metrics are."""
+def closing_summary(records: list[dict[str, Any]], wall_s: float, metrics_path: str,
+                    compile_s: float) -> str:
+  """Steps, tokens, wall time and the part of it spent compiling (``compile_s``: the goodput
+  clock's ``compile`` bucket, so the two lines agree), tokens/s after compilation, final
+  losses, where the metrics are."""
   if not records:
     return f"summary: no step run; metrics: {metrics_path}"
   tokens = sum(r["tokens"] for r in records)
   timed = [r for r in records if not r.get("compiled")]
   rate = (f"{sum(r['tokens'] for r in timed) / sum(r['step_time_s'] for r in timed):,.0f} "
           "tokens/s after compilation" if timed else "every step compiled")
-  compile_s = sum(r["step_time_s"] for r in records if r.get("compiled"))
   val = [r["val_loss"] for r in records if "val_loss" in r]
   losses = f"final loss {records[-1]['loss']:.4f}" + (
       f", validation loss {val[-1]:.4f}" if val else ", no validation loss")
   return (f"summary: {len(records)} steps ({records[0]['step']}-{records[-1]['step']}), "
-          f"{tokens:,} tokens in {wall_s:.1f} s (compiling steps {compile_s:.1f} s); "
+          f"{tokens:,} tokens in {wall_s:.1f} s ({compile_s:.1f} s of it compiling); "
           f"{rate}; {losses}\n  metrics: {metrics_path}")
 
 
 def finish(run: TrainingRun, config: RunConfig, log) -> None:
   """Closing summary: the run's figures, goodput buckets, program cache."""
-  log(closing_summary(run.records, run.clock.wall(), run.writer.path))
+  log(closing_summary(run.records, run.clock.wall(), run.writer.path,
+                      run.clock.buckets()["compile"]))
   log(run.clock.summary())
   if run.redone_steps:
     log(f"redone: {run.redone_steps} step(s)")

@@ -117,10 +117,9 @@ def test_export_then_import_is_bit_exact(tmp_path, variant):
   jax.tree.map(np.testing.assert_array_equal, to_logical(nnx.state(again)), logical)
 
 
-def test_export_command_reads_a_checkpoint(tmp_path, capsys):
-  from safetensors.numpy import load_file
-
-  from ntp_jax.interop.export_hf import main
+def _stored_checkpoint(tmp_path):
+  """``tmp_path/ckpt``: step 4 of the untied fixture's weights, as train() stores a run (no
+  tokenizer copy beside it)."""
   from ntp_jax.state.checkpoint import Checkpoints
   folder = _folder(tmp_path, "untied")
   cfg = GPTConfig(**read_hf_config(folder))
@@ -137,6 +136,14 @@ def test_export_command_reads_a_checkpoint(tmp_path, capsys):
   checkpoints.save(4, {**logical, **moments},
                    {"config": json.loads(config.to_json_best_effort())})
   checkpoints.close()
+  return str(tmp_path / "ckpt")
+
+
+def test_export_command_reads_a_checkpoint(tmp_path, capsys):
+  from safetensors.numpy import load_file
+
+  from ntp_jax.interop.export_hf import main
+  _stored_checkpoint(tmp_path)
   out = str(tmp_path / "hf")
   assert main(["--checkpoint", str(tmp_path / "ckpt"), "--out", out]) == 0
   written = load_file(os.path.join(out, "model.safetensors"))
@@ -144,8 +151,8 @@ def test_export_command_reads_a_checkpoint(tmp_path, capsys):
     np.testing.assert_array_equal(written[name], value, err_msg=name)
   with open(os.path.join(out, "config.json")) as f:
     assert json.load(f)["max_position_embeddings"] == 16
-  assert main(["--checkpoint", str(tmp_path / "ckpt"), "--step", "9", "--out", out]) == 1
-  assert main(["--checkpoint", str(tmp_path / "none"), "--out", out]) == 1
+  assert main(["--checkpoint", str(tmp_path / "ckpt"), "--step", "9", "--out", out]) == 2
+  assert main(["--checkpoint", str(tmp_path / "none"), "--out", out]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   # A checkpoint folder without the trainer's tokenizer copy: one warning, no tokenizer files.
   assert err[0].startswith("export_hf: warning: --checkpoint: ") and "no tokenizer.json" in err[0]
@@ -154,6 +161,41 @@ def test_export_command_reads_a_checkpoint(tmp_path, capsys):
   assert len(err) == 2 and "--step: " in err[0] and "ckpt/9 is not a complete" in err[0], err
   assert err[1].endswith("--checkpoint: no folder " + str(tmp_path / "none")), err
   assert not os.path.exists(tmp_path / "none")
+
+
+def test_export_refuses_a_folder_not_empty_or_a_file_unless_forced(tmp_path, capsys):
+  """A user's config.json and another model's shard index in --out: refused in one line,
+  exit status 2, nothing touched; --force writes over it and removes the stale index (which a
+  loader would read instead of model.safetensors); --out naming a file: one line."""
+  from safetensors.numpy import load_file
+
+  from ntp_jax.interop.export_hf import main
+  ckpt = _stored_checkpoint(tmp_path)
+  out = tmp_path / "hf"
+  out.mkdir()
+  (out / "config.json").write_text('{"mine": 1}')
+  (out / "model.safetensors.index.json").write_text('{"weight_map": {"x": "model-1.safetensors"}}')
+  assert main(["--checkpoint", ckpt, "--out", str(out)]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [f"export_hf: --out: {out} is not empty (config.json, "
+                 "model.safetensors.index.json); name a new or empty folder, or pass --force to "
+                 "write over it (removing the weight files of any other model there)"]
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors.index.json"]
+  assert (out / "config.json").read_text() == '{"mine": 1}'
+  assert main(["--checkpoint", ckpt, "--out", str(out), "--force"]) == 0
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+  assert set(load_file(str(out / "model.safetensors"))) == set(fixture.tensors("untied"))
+  assert "mine" not in json.loads((out / "config.json").read_text())
+  capsys.readouterr()
+  (tmp_path / "file").write_text("x")
+  assert main(["--checkpoint", ckpt, "--out", str(tmp_path / "file")]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [f"export_hf: --out: {tmp_path / 'file'} is a file, not a folder; name a new "
+                 "or empty folder"]
+  # A run's workdir is accepted as generate --from takes it.
+  (tmp_path / "run").mkdir()
+  os.rename(ckpt, tmp_path / "run" / "checkpoints")
+  assert main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")]) == 0
 
 
 @pytest.mark.parametrize("change,message", [

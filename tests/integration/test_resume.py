@@ -118,6 +118,24 @@ def test_checkpoint_of_another_model_and_a_damaged_one_are_one_line_errors(data_
   assert str(err.value).startswith(f"checkpoint {step_dir}") and "\n" not in str(err.value)
 
 
+def test_a_damaged_data_file_is_one_line_naming_the_cause_not_the_store(data_workdir, tmp_path):
+  ckpt = tmp_path / "ckpt"
+  run(data_workdir, 2, ckpt)
+  chunks = [os.path.join(d, f) for d, _, fs in os.walk(ckpt / "2" / "state")
+            if os.path.basename(d) == "d" and "ocdbt" in d for f in fs
+            if os.path.getsize(os.path.join(d, f)) > 100_000]  # array data, not metadata
+  assert chunks
+  for path in chunks:
+    with open(path, "r+b") as f:
+      f.truncate(100)
+  with pytest.raises(ConfigError) as err:
+    run(data_workdir, 4, ckpt)
+  text = str(err.value)
+  assert text.startswith(f"checkpoint {ckpt / '2'}: a data file is missing or damaged "
+                         "(ValueError: OUT_OF_RANGE: Error reading "), text
+  assert "TensorStore details" not in text and "<bound method" not in text, text
+
+
 def test_checkpoint_dir_that_is_a_file_is_a_one_line_error(data_workdir, tmp_path):
   (tmp_path / "file").write_text("x")
   with pytest.raises(ConfigError, match=r"^checkpoint.dir:"):
@@ -132,6 +150,33 @@ def test_a_checkpoint_of_another_seq_len_stops_before_a_tokenizer_is_trained(tmp
     run(tmp_path, 2, tmp_path / "checkpoints",
         **{"train.seq_len": 32, "model.vocab_size": 1024})
   assert sorted(os.listdir(tmp_path / "data")) == entries  # no tokenizer of 1,024 tokens
+
+
+def test_a_checkpoint_of_another_vocabulary_stops_before_a_tokenizer_is_trained(tmp_path):
+  run(tmp_path, 1, tmp_path / "checkpoints")
+  entries = sorted(os.listdir(tmp_path / "data"))
+  with pytest.raises(ConfigError, match=r"^checkpoint .*/1: params/embed/embedding has shape "
+                                        r"\(2048, 128\), the model expects \(1024, 128\)$"):
+    run(tmp_path, 2, tmp_path / "checkpoints", **{"model.vocab_size": 1024})
+  assert sorted(os.listdir(tmp_path / "data")) == entries  # no tokenizer of 1,024 tokens
+
+
+def test_a_fresh_run_into_another_runs_checkpoints_is_refused_and_touches_nothing(
+    data_workdir, tmp_path):
+  """checkpoint.resume=False where checkpoints are: one line, nothing deleted or written (its
+  saves would delete the oldest step, and the next resume would continue the old run)."""
+  ckpt = tmp_path / "ckpt"
+  run(data_workdir, 7, ckpt)  # steps 6 and 7
+  before = sorted(os.listdir(ckpt))
+  metrics = (data_workdir / "metrics.jsonl").read_text()
+  with pytest.raises(ConfigError) as err:
+    run(data_workdir, 2, ckpt, **{"checkpoint.resume": False})
+  assert str(err.value) == (
+      f"checkpoint.resume=False: {ckpt} holds checkpoints of an earlier run (steps 6, 7); a "
+      "fresh run needs a folder of its own: set checkpoint.dir (or workdir) to a new folder, "
+      "or move that one aside")
+  assert sorted(os.listdir(ckpt)) == before
+  assert (data_workdir / "metrics.jsonl").read_text() == metrics
 
 
 def test_a_run_in_parts_on_one_schedule_equals_the_whole_run(data_workdir, tmp_path):

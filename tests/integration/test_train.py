@@ -72,3 +72,18 @@ def test_a_missing_or_empty_corpus_is_one_line_naming_data_path(tmp_path, corpus
   with pytest.raises((ConfigError, DataError)) as err:
     train(tiny_config(tmp_path, **{"data.path": str(path)}), log=lambda *_: None)
   assert str(err.value).startswith("data.path:") and "\n" not in str(err.value), err.value
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model.d_model", -3),
+    ("model.factory", "nope:model_spec"),
+    ("ntp.failed", "9"),
+    ("data.path", "/no/such/corpus"),
+])
+def test_a_config_error_creates_nothing(tmp_path, field, value):
+  """Refused before the workdir, its compile_cache or anything else is created."""
+  config = tiny_config(tmp_path / "run", **{field: value})
+  with pytest.raises((ConfigError, DataError)) as err:
+    train(config, log=lambda *_: None)
+  assert str(err.value).startswith(f"{field}:"), err.value
+  assert not (tmp_path / "run").exists()

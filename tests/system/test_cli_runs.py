@@ -14,7 +14,7 @@ import pytest
 from helpers import ROOT, process_env, tiny_config
 
 import configs.gpt_tiny
-from ntp_jax.training.metrics import read_metrics
+from ntp_jax.training.metrics import read_metrics, read_records
 from ntp_jax.training.trainer import train
 
 
@@ -163,3 +163,21 @@ def test_train_py_prints_one_line_and_exits_2(args, line):
   assert result.returncode == 2, result.stderr[-2000:]
   assert result.stderr.strip().startswith(line), result.stderr[-2000:]
   assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+
+
+def test_a_restart_in_a_new_process_loads_every_step_program_it_compiled(tmp_path):
+  """Two steps, then a resume to four in a new process, on one learning-rate curve and a
+  compilation cache of the run's own: the first session compiles its class step, the second
+  compiles none, it loads them (as the log line and the metrics row say)."""
+  args = [f"--config.workdir={tmp_path}", f"--config.compile.cache_dir={tmp_path / 'cache'}",
+          "--config.train.schedule_steps=4", "--config.train.eval_every=0"]
+  rc, first, err = _finish(_cli(*args, "--config.train.steps=2"))
+  assert rc == 0, err[-3000:]
+  rc, second, err = _finish(_cli(*args, "--config.train.steps=4"))
+  assert rc == 0, err[-3000:]
+  assert "resuming from step 2" in second
+  built = [r for r in read_records(tmp_path / "metrics.jsonl") if r.get("compiled")]
+  assert [r["step"] for r in built] == [0, 2]
+  assert built[0]["programs_compiled"] >= 1 and built[0]["programs_loaded"] == 0
+  assert built[1]["programs_compiled"] == 0 and built[1]["programs_loaded"] >= 1, built[1]
+  assert "  step 2: 0 program(s) compiled" in second, second

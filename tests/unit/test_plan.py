@@ -51,6 +51,16 @@ def test_parse_failed_errors_name_the_field(text, match):
     parse_failed(text, 2, 8)
 
 
+def test_a_malformed_failed_slot_is_said_once():
+  with pytest.raises(ConfigError) as err:
+    parse_failed("-1", 2, 8)
+  assert str(err.value) == "ntp.failed: '-1' is not a slot ('3') or a replica:slot pair ('1:3')"
+  with pytest.raises(ConfigError) as err:
+    parse_failed("3, x", 2, 8)
+  assert str(err.value) == ("ntp.failed: 'x' (in '3, x') is not a slot ('3') or a replica:slot "
+                            "pair ('1:3')")
+
+
 def test_classes_shares_and_dropped_replicas():
   plan = plan_of(tp=4, dp=4, failed="1:2,2:2,3:0,3:1,3:2,3:3", batch_size=16)
   assert plan.dropped == (3,)

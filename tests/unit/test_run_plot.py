@@ -39,3 +39,22 @@ def test_a_stop_by_a_hook_is_marked_with_the_hook(tmp_path):
   path = tmp_path / "metrics.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   assert [m.label for m in gather_series(str(path)).marks] == ["stop (hook Watch.on_step)"]
+
+
+def test_the_title_names_every_tp_degree_the_run_went_through(tmp_path):
+  """A failure then its repair: 8 -> 7 -> 8, not the start alone (nor start and end, equal)."""
+  plan = {"tp": 8, "dp": 1, "replicas": [{"live_slots": list(range(8))}]}
+  step = lambda s, degree: {"step": s, "loss": 1.0, "tokens": 100,  # noqa: E731
+                            "step_time_s": 0.5, "tp_degree": degree, "tp_degrees": [degree]}
+  rows = [{"event": "start", "step": 0, "plan": plan}, step(0, 8), step(1, 8),
+          {"event": "fail", "step": 2, "replica": 0, "slot": 3}, step(2, 7), step(3, 7),
+          {"event": "repair", "step": 4, "replica": 0, "slot": 3}, step(4, 8)]
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  title = run_title("runs/x", {"factory": "models.gpt:model_spec"}, gather_series(str(path)))
+  assert title == "runs/x: models.gpt:model_spec; mesh 1 x 8, TP degrees 8 -> 7 -> 8"
+  # A long history keeps its ends and counts the changes.
+  rows += [step(5 + i, degree) for i, degree in enumerate([7, 6, 5, 4, 3, 2])]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  title = run_title("runs/x", {"factory": "models.gpt:model_spec"}, gather_series(str(path)))
+  assert title.endswith("TP degrees 8 -> 7 -> 8 -> ... (8 changes) -> 4 -> 3 -> 2"), title
