@@ -35,6 +35,11 @@ CFG = GPTConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=16, n_kv_heads=8
                 d_ff=44, rope_theta=10_000.0)
 MAX_LEN = 48  # the folder's max_position_embeddings
 PROMPT = np.array([[5, 17, 42, 99, 3, 250]], np.int32)
+# The tokenizer's training text: fixed here, so that no edit elsewhere changes the tokens.
+_WORDS = ("the plan moves every shard unit of a failed slot to the live slots of its "
+          "replica while the others train on at their own degree").split()
+TOKENIZER_TEXTS = [" ".join(np.random.default_rng(seed).choice(_WORDS, 400)) + "."
+                   for seed in range(8)]
 NEW = 16
 UNEVEN = (8, (3,))  # mesh.tp=8, slot 3 failed: TP degree 7, one shared KV group
 
@@ -117,8 +122,7 @@ def folder(tmp_path_factory, params):
   """A Hugging Face folder of the random model, with a byte-level BPE tokenizer.json."""
   out = str(tmp_path_factory.mktemp("hf") / "model")
   export_hf(params, CFG, out, max_position_embeddings=MAX_LEN)
-  texts = [open(os.path.join(ROOT, "docs", name)).read() for name in ("design.md", "hf.md")]
-  train_bpe_tokenizer(texts, CFG.vocab_size).save(os.path.join(out, "tokenizer.json"))
+  train_bpe_tokenizer(TOKENIZER_TEXTS, CFG.vocab_size).save(os.path.join(out, "tokenizer.json"))
   return out
 
 
