@@ -425,7 +425,10 @@ def finish(run: TrainingRun, config: RunConfig, log) -> None:
   if run.redone_steps:
     log(f"redone: {run.redone_steps} step(s)")
   if run.marks:
-    log(f"programs: {run.cache.hits} cache hit(s), {run.cache.misses} compiled")
+    # The run's cache of class steps and syncs, by plan: a plan met again reuses them. (The
+    # first-step lines count XLA programs, the state moves' included.)
+    log(f"class steps and syncs: {run.cache.misses} made for a plan, {run.cache.hits} reused "
+        "for a plan met again")
 
 
 def plot(run: TrainingRun, config: RunConfig, log) -> None:
