@@ -109,13 +109,18 @@ def test_checkpoint_of_another_model_and_a_damaged_one_are_one_line_errors(data_
   step_dir = ckpt / "2"
   data_files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir / "state") for f in fs
                 if os.path.getsize(os.path.join(d, f)) > 10_000]
-  assert data_files
-  for path in data_files:
-    with open(path, "r+b") as f:
-      f.truncate(100)
+  _truncate(data_files)
   with pytest.raises(ConfigError) as err:
     run(data_workdir, 4, ckpt)
   assert str(err.value).startswith(f"checkpoint {step_dir}") and "\n" not in str(err.value)
+
+
+def _truncate(paths, size=100):
+  """Damage checkpoint files: each cut to ``size`` bytes."""
+  assert paths
+  for path in paths:
+    with open(path, "r+b") as f:
+      f.truncate(size)
 
 
 def test_a_damaged_data_file_is_one_line_naming_the_cause_not_the_store(data_workdir, tmp_path):
@@ -124,10 +129,7 @@ def test_a_damaged_data_file_is_one_line_naming_the_cause_not_the_store(data_wor
   chunks = [os.path.join(d, f) for d, _, fs in os.walk(ckpt / "2" / "state")
             if os.path.basename(d) == "d" and "ocdbt" in d for f in fs
             if os.path.getsize(os.path.join(d, f)) > 100_000]  # array data, not metadata
-  assert chunks
-  for path in chunks:
-    with open(path, "r+b") as f:
-      f.truncate(100)
+  _truncate(chunks)
   with pytest.raises(ConfigError) as err:
     run(data_workdir, 4, ckpt)
   text = str(err.value)
