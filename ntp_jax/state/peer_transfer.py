@@ -378,7 +378,7 @@ class CrossProcessPeers(SpanningArrays):
     self.copied_bytes = sum(piece_bytes[m.path] for m in moves if m.source != m.target)
     self.crossed_bytes = sum(piece_bytes[m.path] for m in moves
                              if m.source.process_index != m.target.process_index)
-    self._moves, self._leaves, self._k, self._new_rows = moves, leaves, k, new_rows
+    self._moves, self._leaves = moves, leaves
     self._paths = set(pieces)
     self._spans = {leaf.path: leaf.abstract(spanning_sharding(leaf, new_rows, k[leaf.path]))
                    for leaf in leaves}

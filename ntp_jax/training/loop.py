@@ -219,14 +219,12 @@ class TrainingRun:
       return
     state, jobs = self.state, []  # a lost process's devices stay failed: no plan brings them back
     tp, dp = state.plan.tp, state.plan.dp
-    lost = {(i // tp, i % tp) for i, d in enumerate(self.devices)
-            if d in self.guard.lost_devices}
+    lost = self.guard.slots_of(self.guard.lost_devices, tp)
     changes = [(failed, None) for failed in reachable_failed_sets(state.failed, dp=dp, tp=tp)
                if lost <= failed]
     if self.job is not None and self.job.multi_process and self.job.recoverable:
       for process in sorted(self.guard.live_processes() - {jax.process_index()}):
-        slots = {(i // tp, i % tp) for i, d in enumerate(self.devices)
-                 if d.process_index == process}
+        slots = self.guard.slots_of(self.guard.devices_of({process}), tp)
         if not slots <= state.failed:
           changes.append((state.failed | slots, process))
     for failed, process in changes:
@@ -246,7 +244,7 @@ class TrainingRun:
       dead |= self.guard.lost_devices
       programs = state.programs
       if process is not None:  # as process_lost: the old state on the live processes' rows
-        dead |= {d for d in self.devices if d.process_index == process}
+        dead |= self.guard.devices_of({process})
         live = self.guard.live_processes() - {process}
         programs = [p for p in (live_rows(p, live, shapes_only=True) for p in programs)
                     if p is not None]

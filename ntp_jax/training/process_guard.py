@@ -18,7 +18,7 @@ with the lost peer and cannot return (``heartbeat.end_process``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import jax
 
@@ -121,15 +121,24 @@ class ProcessGuard:
       self.job.heartbeat.takeover_s = max(self.takeover_base_s,
                                           0.0 if compiled else 3 * elapsed_s)
 
+  def devices_of(self, processes: Collection[int]) -> set[jax.Device]:
+    """The job's devices that ``processes`` drive."""
+    return {d for d in self.devices if d.process_index in processes}
+
+  def slots_of(self, devices: Collection[jax.Device], tp: int) -> set[tuple[int, int]]:
+    """The ``(replica, slot)`` pairs of ``devices`` (the job's devices are slot-major per
+    replica, ``tp`` slots each)."""
+    return {(i // tp, i % tp) for i, d in enumerate(self.devices) if d in devices}
+
   def take_loss(self, lost: ProcessLost, step: int, tp: int,
                 failed: frozenset[tuple[int, int]]) -> list[Event]:
     """Go on without the lost processes (``distributed.recoverable``): their devices join
     the lost ones, and the ``fail`` events (inside ``step``) of their slots not failed yet
     are returned for the run to apply."""
-    gone = {d for d in self.devices if d.process_index in lost.processes}
+    gone = self.devices_of(lost.processes)
     self.lost_devices |= gone
-    events = [Event(step, True, "fail", i // tp, i % tp) for i, d in enumerate(self.devices)
-              if d in gone and (i // tp, i % tp) not in failed]
+    events = [Event(step, True, "fail", r, s) for r, s in sorted(self.slots_of(gone, tp))
+              if (r, s) not in failed]
     self.log(f"step {step}: {lost.message}; process {self.job.process_id} goes on without "
              f"it (distributed.recoverable): {len(gone)} device(s) fail")
     self.event("process_lost", step=step, processes=sorted(lost.processes))
