@@ -149,7 +149,7 @@ def main():
     # A fresh healthy state each time: the steps donate the buffers a move keeps in place.
     old = build(healthy, make, global_tokens=healthy.global_batch * args.seq)
     jax.block_until_ready([(p.params, p.opt_state) for p in old])
-    source = PeerSource(old, dead, min_degree=reduced.t_min, cache=cache)
+    source = PeerSource(old, dead, cache=cache)
     start = time.perf_counter()
     new = build(reduced, make, global_tokens=tokens, source=source)
     jax.block_until_ready([(p.params, p.opt_state) for p in new])
@@ -169,7 +169,7 @@ def main():
   least = minimum_bytes(old, new)  # from shapes and layouts only: donated buffers are fine
   old = build(healthy, make, global_tokens=healthy.global_batch * args.seq)
   carried = program_bytes(reduced, make, optimizer, run.train.clip_norm, tokens, args.seq,
-                          devices, cache, PeerSource(old, dead, min_degree=reduced.t_min,
+                          devices, cache, PeerSource(old, dead,
                                                      cache=cache))
   best = int(np.argmin(moves))
   print(f"`python bench/move_floor.py --config {os.path.relpath(args.config, ROOT)} "

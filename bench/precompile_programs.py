@@ -98,7 +98,7 @@ def count(dp: int, config) -> dict:
   for failed in reachable_failed_sets(frozenset(), dp=dp, tp=tp):
     plan = plan_of(failed)
     dead = {devices[r * tp + s] for r, s in failed}
-    source = PeerSource(programs, dead, min_degree=plan.t_min, cache=cache)
+    source = PeerSource(programs, dead, cache=cache)
     made = PlanPrograms(plan, make_model, optimizer, run.train.clip_norm, plan.global_batch * seq,
                         devices, cache=cache).lower(seq, source, skip=cache.compiled_keys())
     plans += 1

@@ -4,7 +4,8 @@
 - ``sources``: where logical state comes from (fresh parameters, host arrays; checkpoints
   and live peers are sources too).
 - ``checkpoint``: orbax-checkpoint checkpoints of logical state, restorable onto any plan.
-- ``peer``, ``peer_supply``, ``peer_transfer``: live recovery from DP peers' replicas.
+- ``peer``: live recovery from DP peers' replicas; ``peer_move`` moves only the units whose
+  device changes (one process), ``peer_transfer`` moves them across processes.
 - ``spanning``: logical state as arrays that span every process (multi-process
   checkpoints and restore).
 """

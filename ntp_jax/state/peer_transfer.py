@@ -1,6 +1,6 @@
 """Live recovery across processes: the new plan's state from DP peers on other hosts.
 
-In one process ``peer.PeerSource`` moves pieces with ``jax.device_put``;
+In one process ``peer_move.PeerMove`` moves units with ``jax.device_put``;
 across processes a device cannot be written by a process that does not drive
 it (and CPU backends have no cross-host ``device_put``). So here the moves
 are one collective program over every live device of the job:
@@ -43,8 +43,9 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.program_cache import ProgramCache
+from ntp_jax.sharding.collectives import transfer_schedule
+from ntp_jax.sharding.layout import owner_layout
 from ntp_jax.sharding.topology import holds_mine, is_mine
-from ntp_jax.state.peer_supply import piece_sources
 from ntp_jax.state.placement import (
   EvenPieces,
   Leaf,
@@ -57,6 +58,17 @@ from ntp_jax.state.placement import (
 from ntp_jax.state.spanning import SpanningArrays, job_pieces, spanning_sharding
 
 AXIS = "live"
+
+
+def piece_sources(leaf: Leaf) -> list[set[int]]:
+  """For each even piece ``j`` of a split ``leaf`` (``leaf.pieces`` of them): the live-slot
+  positions whose blocks it is made from."""
+  sources: list[set[int]] = [set() for _ in range(leaf.pieces)]
+  for t in transfer_schedule(owner_layout(leaf.layout), leaf.even_layout):
+    for i, length in enumerate(t["send_len"]):
+      if length > 0:
+        sources[i + t["shift"]].add(i)
+  return sources
 
 
 @dataclasses.dataclass(frozen=True)

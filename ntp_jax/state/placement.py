@@ -173,6 +173,19 @@ def leaves_of(state: Any) -> tuple[list[Leaf], Any, list[Any]]:
   return leaves, treedef, [node for _, node in flat]
 
 
+class DirectMove(Protocol):
+  """A class's state made by its source in one operation (``LogicalSource.direct``)."""
+
+  copied_bytes: int  # bytes it carries between devices
+
+  def __call__(self) -> dict[Path, jax.Array]:
+    """``path -> array`` in the class sharding (blocks ``P('dp', 'tp')``, replica-stacked
+    ``P('dp')``, bare ``P()``)."""
+
+  def lower(self) -> list[jax.stages.Lowered] | None:
+    """Its programs lowered (None: it cannot run, and its call raises)."""
+
+
 class LogicalSource(Protocol):
   """Where logical arrays come from (an initialiser, a checkpoint, a live replica).
 
@@ -203,13 +216,11 @@ class LogicalSource(Protocol):
   def pieces(self, leaf: Leaf) -> int | None:
     """``k``, the even split to request for a split ``leaf``; None: ``even_pieces``."""
 
-  def in_place(self, leaves: list[Leaf], mesh: Mesh) -> dict[Path, jax.Array] | None:
-    """Every leaf of ``leaves`` already in the class sharding on ``mesh``, as it is
-    (nothing moves); None when the source cannot hand them over so (exactly when
-    ``keeps_in_place`` is False)."""
-
-  def keeps_in_place(self, leaves: list[Leaf], mesh: Mesh) -> bool:
-    """Whether ``in_place`` would hand the leaves over (decided from metadata only)."""
+  def direct(self, leaves: list[Leaf], mesh: Mesh) -> DirectMove | None:
+    """An operation that hands every leaf of ``leaves`` over in the class sharding on
+    ``mesh`` by itself (live DP peers move only what changes device, ``peer_move``),
+    decided from metadata; None: the leaves go through the reads and this module's
+    programs."""
 
   def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
@@ -249,7 +260,7 @@ class LogicalSource(Protocol):
 
 
 class BaseSource:
-  """Defaults of ``LogicalSource``: every path, the default even split, nothing in place,
+  """Defaults of ``LogicalSource``: every path, the default even split, no direct move,
   every leaf through ``read`` (no blocks or copies handed over), nothing known ahead, not
   spanning processes (read over them by ``spanning.SpanningSource``), the class name.
   Subclasses define ``read``.
@@ -268,11 +279,8 @@ class BaseSource:
   def pieces(self, leaf: Leaf) -> int | None:
     return None
 
-  def in_place(self, leaves: list[Leaf], mesh: Mesh) -> dict[Path, jax.Array] | None:
+  def direct(self, leaves: list[Leaf], mesh: Mesh) -> DirectMove | None:
     return None
-
-  def keeps_in_place(self, leaves: list[Leaf], mesh: Mesh) -> bool:
-    return False
 
   def read_blocks(self, requests: dict[Path, jax.ShapeDtypeStruct]
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
@@ -543,8 +551,9 @@ class Placement:
 
   Everything is decided at construction from metadata: the target's leaves and
   layouts, the mesh, and what the source declares (``paths``, ``pieces``,
-  ``keeps_in_place``, ``serves_blocks``, ``serves_copies``); nothing is read
-  until the call. Each replica's devices read the even pieces they hold (split
+  ``direct``, ``serves_blocks``, ``serves_copies``); nothing is read
+  until the call. A source with a direct move (live DP peers) makes the state itself;
+  otherwise each replica's devices read the even pieces they hold (split
   leaves: slots ``0..k-1``; others: every device), then one program per class
   moves the pieces into the padded blocks. ``lower`` lowers the programs the
   call runs (the same objects, from the same ``cache``), so once they are
@@ -574,8 +583,8 @@ class Placement:
                     if leaf.layout is not None else leaf for leaf in leaves]
     self._treedef, self._nodes = treedef, nodes
     self.wanted = [leaf for leaf in self._leaves if available is None or leaf.path in available]
-    self.kept = source.keeps_in_place(self.wanted, mesh)  # state already on these devices
-    wanted = [] if self.kept else self.wanted
+    self.direct = source.direct(self.wanted, mesh)  # the source makes the state itself
+    wanted = [] if self.direct is not None else self.wanted
     self.requests = {leaf.path: leaf.abstract(leaf.even_sharding(mesh)) for leaf in wanted}
     # A source that holds the pieces on devices already may hand them over as they are
     # ([1, 1, *piece] per device, split leaves; the class's own copies of unsplit leaves):
@@ -607,12 +616,12 @@ class Placement:
     """The programs the call runs, lowered for the shapes and shardings it will meet.
 
     Returns:
-      The lowered programs (empty: the state stays in place, nothing runs), or
-      None when the source cannot tell what its reads run
-      (``LogicalSource.read_programs``). Reads nothing from the source.
+      The lowered programs (empty: nothing runs), or None when the source cannot tell
+      what its reads run (``LogicalSource.read_programs``) or its direct move cannot run.
+      Reads nothing from the source.
     """
-    if self.kept:
-      return []
+    if self.direct is not None:
+      return self.direct.lower()
     reads = self.source.read_programs(self.blocks, self.copies, self.rest)
     if reads is None:
       return None
@@ -638,9 +647,9 @@ class Placement:
       source's ``LookupError``, ...).
     """
     source, mesh = self.source, self.mesh
-    if self.kept:
-      kept = source.in_place(self.wanted, mesh)
-      return self._rebuild(kept), set(kept)
+    if self.direct is not None:
+      made = self.direct()
+      return self._rebuild(made), set(made)
     blocks = source.read_blocks(self.blocks) if self.blocks else {}
     copies = source.read_copies(self.copies) if self.copies else {}
     arrays = source.read(self.rest) if self.rest else {}

@@ -259,7 +259,7 @@ class TrainingRun:
     ``apply`` will plan them (the same old state, dead and live devices), so the programs
     are the ones it calls."""
     if self.config.ntp.recovery == "live":
-      source = PeerSource(programs, set(dead), min_degree=plan.t_min, devices=self.devices,
+      source = PeerSource(programs, set(dead), devices=self.devices,
                           cache=self.cache)
     else:  # the restart path restores a checkpoint, whichever step it holds
       source = CheckpointShapes()
@@ -354,7 +354,7 @@ class TrainingRun:
             else " (programs not compiled ahead: compiling them now)")
     self.log(f"  moving the state from DP peers onto the new plan{note}")
     poison(state.programs, dead)
-    source = PeerSource(state.programs, dead | self.guard.lost_devices, min_degree=plan.t_min,
+    source = PeerSource(state.programs, dead | self.guard.lost_devices,
                         devices=self.devices, cache=self.cache)
     try:
       self.build(plan, source)
