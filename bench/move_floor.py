@@ -44,6 +44,7 @@ simulate_cpu_devices(8)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from floors import minimum_bytes, plain_copy_seconds  # noqa: E402
 
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.analysis.hlo_collectives import collectives  # noqa: E402
@@ -51,42 +52,8 @@ from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import PlanPrograms, ProgramCache, build_class_programs  # noqa: E402
 from ntp_jax.state.peer import PeerSource  # noqa: E402
-from ntp_jax.state.placement import leaves_of  # noqa: E402
 from ntp_jax.training.config import RunConfig  # noqa: E402
 from ntp_jax.training.optim import make_optimizer  # noqa: E402
-
-
-def held_elements(leaf, slot: int) -> set[int]:
-  """Logical indices along the split axis that live slot ``slot`` holds (its run and the
-  shared units); every index for an unsplit leaf."""
-  if leaf.layout is None:
-    return {-2}  # the whole leaf, as one token
-  index = leaf.layout.gather_index()[slot]
-  return set(index[index >= 0].tolist())
-
-
-def minimum_bytes(old_programs, new_programs) -> int:
-  """Bytes the new plan's devices hold that they did not hold on the old plan."""
-  held: dict = {}  # (device, path) -> logical indices held on the old plan
-  for program in old_programs:
-    leaves, _, _ = leaves_of({"params": program.params, "opt_state": program.opt_state})
-    for row in program.mesh.devices:
-      for slot, device in enumerate(row):
-        for leaf in leaves:
-          held[(device, leaf.path)] = held_elements(leaf, slot)
-  total = 0
-  for program in new_programs:
-    leaves, _, _ = leaves_of({"params": program.params, "opt_state": program.opt_state})
-    for row in program.mesh.devices:
-      for slot, device in enumerate(row):
-        for leaf in leaves:
-          new = held_elements(leaf, slot)
-          missing = len(new - held.get((device, leaf.path), set()))
-          if leaf.layout is None:
-            total += leaf.nbytes * missing
-          else:
-            total += missing * (leaf.nbytes // leaf.shape[leaf.axis])
-  return total
 
 
 def program_bytes(plan, make, optimizer, clip_norm, tokens, seq, devices, cache, source) -> int:
@@ -104,18 +71,6 @@ def program_bytes(plan, make, optimizer, clip_norm, tokens, seq, devices, cache,
     total += count * sum(c.bytes for c in collectives(compiled.as_text())
                          if c.kind == "collective-permute")
   return total
-
-
-def plain_copy_seconds(nbytes: int, source, target) -> float:
-  """The fastest of three ``device_put``s of one ``nbytes`` buffer from ``source`` to
-  ``target``."""
-  buffer = jax.device_put(np.ones(nbytes // 4, np.float32), source)
-  best = float("inf")
-  for _ in range(3):
-    start = time.perf_counter()
-    jax.block_until_ready(jax.device_put(buffer, target))
-    best = min(best, time.perf_counter() - start)
-  return best
 
 
 def main():

@@ -21,6 +21,12 @@ strikes before step 11, with a checkpoint every 10 steps:
   cold persistent compilation cache and once with it warm;
 - *the live path's parts*: plan, state move, compile on the recovery path
   (``compile_s`` of the ``recovered`` row), first step;
+- *the live path against its floors*: its move against a plain ``jax.device_put``
+  of the same bytes between two devices; the bytes it copies against the
+  minimum for this failure (every element a device of the new plan holds that
+  it did not hold before, from the two plans' layouts, ``floors.minimum_bytes``);
+  its first step against the new plan's steady step (the median of the next
+  four);
 - *bytes moved*: bytes the live path copies between devices, against the
   logical state (parameters and both Adam moments);
 - *goodput* of a longer run with two failures and one repair, live, with and
@@ -33,6 +39,7 @@ stage reuses another's compiled programs.
 """
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -51,13 +58,19 @@ simulate_cpu_devices(8)
 
 import jax  # noqa: E402
 from common import emit, load_config  # noqa: E402
+from flax import nnx  # noqa: E402
+from floors import minimum_bytes, plain_copy_seconds, plan_programs  # noqa: E402
 
-from models.gpt import GPTConfig, count_params  # noqa: E402
+from models.gpt import GPT, GPTConfig, count_params, model_layouts  # noqa: E402
+from ntp_jax.parallel.plan import make_plan  # noqa: E402
+from ntp_jax.training.config import RunConfig  # noqa: E402
 from ntp_jax.training.hooks import Hook  # noqa: E402
 from ntp_jax.training.metrics import read_metrics, read_records  # noqa: E402
+from ntp_jax.training.optim import make_optimizer  # noqa: E402
 from ntp_jax.training.trainer import train  # noqa: E402
 
 FAIL_STEP = 11
+STEADY = 4  # steps after the first on the new plan: its steady step is their median
 AHEAD = {"ntp.precompile": "next_failure"}
 NOT_AHEAD = {"ntp.precompile": "none"}
 
@@ -120,6 +133,24 @@ def time_to_productive(records, fail_step):
         break
   assert done
   return seconds, next(r for r in rows if r.get("event") == "recovered")
+
+
+def steady_step(records, fail_step) -> float:
+  """Median step time of the ``STEADY`` steps after ``fail_step`` (on the new plan)."""
+  return statistics.median(r["step_time_s"] for r in records if "loss" in r
+                           and fail_step < r["step"] <= fail_step + STEADY)
+
+
+def move_minimum(config) -> int:
+  """The least bytes the bench's failure needs moved, from the two plans' layouts."""
+  cfg = GPTConfig.from_config(config.model)
+  optimizer = make_optimizer(RunConfig.from_config(config).train)
+  make = lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(0))  # noqa: E731
+  layouts = functools.partial(model_layouts, cfg)
+  devices = jax.devices()
+  plans = [make_plan(layouts, tp=4, dp=2, failed=failed, batch_size=config.train.batch_size,
+                     rebalance="equal") for failed in (set(), {(0, 3)})]
+  return minimum_bytes(*(plan_programs(p, make, optimizer, devices) for p in plans))
 
 
 def process_restart(args, base: str) -> tuple[float, float]:
@@ -198,7 +229,8 @@ def main():
     plain_s, plain_event = time_to_productive(read_records(plain.metrics_path), FAIL_STEP)
     stages.next("live, compiled ahead")
     fresh_caches()
-    live = train(configure(args, os.path.join(base, "live"), **fail, **AHEAD), **quiet,
+    live = train(configure(args, os.path.join(base, "live"), **AHEAD,
+                           **{**fail, "train.steps": FAIL_STEP + 1 + STEADY}), **quiet,
                  hooks=[WaitForAhead(FAIL_STEP)])
     live_s, live_event = time_to_productive(read_records(live.metrics_path), FAIL_STEP)
     stages.next("restart in-process, compiled ahead")
@@ -221,6 +253,10 @@ def main():
                      **quiet)
   config = configure(args, os.path.join(base, "live"))
   logical = 3 * 4 * count_params(GPTConfig.from_config(config.model))  # f32 params + 2 moments
+  copied = live_event["copied_bytes"]
+  copy_s = plain_copy_seconds(copied, jax.devices()[0], jax.devices()[1])
+  least = move_minimum(config)
+  steady = steady_step(read_records(live.metrics_path), FAIL_STEP)
   buckets = long_run.goodput
   goodput, effective = goodput_of(long_run)
   plain_goodput, plain_effective = goodput_of(long_plain)
@@ -254,7 +290,13 @@ def main():
            f"{live_s / process_cold_s:.2f} |",
            f"| live: steps redone | {live.redone_steps} |",
            f"| restart: steps redone | {restart.redone_steps} |",
-           f"| live: bytes copied between devices | {live_event['copied_bytes'] / 1e6:.1f} MB |",
+           f"| live: its move / a plain device_put of the same {copied / 1e6:.1f} MB (fastest of "
+           f"3: {copy_s:.3f} s) | {live_event['move_s'] / copy_s:.1f} |",
+           f"| live: bytes copied / the minimum for this failure ({least / 1e6:.1f} MB, from "
+           f"the two plans' layouts) | {copied / least:.2f} |",
+           f"| live: first step / steady step on the new plan (median of the next {STEADY}: "
+           f"{steady:.2f} s) | {live_event['first_step_s'] / steady:.2f} |",
+           f"| live: bytes copied between devices | {copied / 1e6:.1f} MB |",
            f"| logical state (parameters + 2 Adam moments, f32) | {logical / 1e6:.1f} MB |",
            f"| copied / logical | {live_event['copied_bytes'] / logical:.2f} |",
            f"| {steps}-step run, fail {events['ntp.fail_at']}, repair "

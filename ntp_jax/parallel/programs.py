@@ -249,8 +249,10 @@ class PlanPrograms:
     if jax.process_count() > 1 and not source.spans_processes:
       # One collective read for every class (see ntp_jax.state.spanning); a source that
       # moves its own state across processes (live DP peers) says how.
-      args = (shapes.targets[0][1], shapes.meshes, shapes.t_min)
-      source = source.over_processes(*args) or SpanningSource(source, *args, cache=self.cache)
+      targets = [target for _, target in shapes.targets]
+      source = (source.over_processes(targets, shapes.meshes, shapes.t_min)
+                or SpanningSource(source, targets[0], shapes.meshes, shapes.t_min,
+                                  cache=self.cache))
     programs = []
     for i, (replica_class, mesh, (graphdef, target)) in enumerate(
         zip(plan.classes, shapes.meshes, shapes.targets)):
@@ -297,8 +299,8 @@ class PlanPrograms:
       # planned, not run); a source that reads over every process runs no program of ours
       # before the placements, but cannot tell them without reading: left out.
       try:
-        spanning = source.over_processes(self.shapes.targets[0][1], self.shapes.meshes,
-                                         self.shapes.t_min, run=False)
+        spanning = source.over_processes([t for _, t in self.shapes.targets],
+                                         self.shapes.meshes, self.shapes.t_min, run=False)
       except LookupError:  # no live copy of some piece: that recovery restores a checkpoint
         spanning = None
       if spanning is not None:

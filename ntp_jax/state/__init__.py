@@ -5,7 +5,7 @@
   and live peers are sources too).
 - ``checkpoint``: orbax-checkpoint checkpoints of logical state, restorable onto any plan.
 - ``peer``: live recovery from DP peers' replicas; ``peer_move`` moves only the units whose
-  device changes (one process), ``peer_transfer`` moves them across processes.
+  device changes, in one process or across processes.
 - ``spanning``: logical state as arrays that span every process (multi-process
   checkpoints and restore).
 """

@@ -24,8 +24,7 @@ import numpy as np
 from flax import nnx
 
 from ntp_jax.program_cache import ProgramCache
-from ntp_jax.state.peer_move import PeerMove
-from ntp_jax.state.peer_transfer import CrossProcessPeers
+from ntp_jax.state.peer_move import ClassMove, PeerMove
 from ntp_jax.state.placement import BaseSource, Leaf, Path, leaves_of, per_device
 
 
@@ -51,10 +50,10 @@ def poison(programs: list, dead: set[jax.Device]) -> None:
 class PeerSource(BaseSource):
   """Logical state from the live replicas of the old programs (a ``LogicalSource``).
 
-  In one process every class of the new plan is made by a ``peer_move.PeerMove``
-  (``direct``): only the shard units whose device changes move, device to device. Across
-  processes the state is first moved to span the new plan's replicas
-  (``over_processes``, ``peer_transfer``), then placed as from a restore.
+  Every class of the new plan is made by a ``peer_move.PeerMove``: only the shard units
+  whose device changes move, device to device. In one process each class has its own
+  (``direct``); across processes one move serves every class, its buffers between
+  processes carried by one collective (``over_processes``).
 
   Args:
     programs: the old plan's class programs (their state poisoned on ``dead``).
@@ -91,12 +90,13 @@ class PeerSource(BaseSource):
   def copied_bytes(self) -> int:
     return self._crossing_bytes + sum(m.copied_bytes for m in self._moves if m.ran)
 
-  def direct(self, leaves: list[Leaf], mesh) -> PeerMove:
-    """The move of a new class's ``leaves`` onto ``mesh`` (``peer_move.PeerMove``, planned
-    now from metadata; its call raises ``LookupError`` when some piece has no live copy)."""
-    move = PeerMove(self._old, self.dead, leaves, mesh, self._read, self.cache)
+  def direct(self, leaves: list[Leaf], mesh) -> ClassMove:
+    """The move of a new class's ``leaves`` onto ``mesh`` (a ``peer_move.PeerMove`` of one
+    class, planned now from metadata; its call raises ``LookupError`` when some piece has
+    no live copy)."""
+    move = PeerMove(self._old, self.dead, [(leaves, mesh)], self._read, self.cache)
     self._moves.append(move)
-    return move
+    return ClassMove(move, 0)
 
   def _read(self, index: int, path: Path) -> dict[jax.Device, jax.Array]:
     """Old class ``index``'s buffers of ``path`` now (after ``poison``, before any step)."""
@@ -108,23 +108,63 @@ class PeerSource(BaseSource):
     node = self._nodes[index][1][path]
     return per_device(node.get_value() if isinstance(node, nnx.Variable) else node)
 
-  def over_processes(self, target: Any, meshes: list, t_min: int, *, run: bool = True
-                     ) -> CrossProcessPeers:
-    """A multi-process job: the new plan's state spanning its replicas, moved from the live
-    old classes in one program over the live devices (``peer_transfer``). ``run=False``:
-    the moves planned and their programs made, nothing run (``CrossProcessPeers.lower``).
+  def over_processes(self, targets: list[Any], meshes: list, t_min: int, *, run: bool = True
+                     ) -> PeersAcross:
+    """A multi-process job: one ``PeerMove`` for every class of the new plan, the buffers
+    between processes carried by one collective over the live devices (every live process
+    must call this). ``run=False``: planned and its programs made, nothing run (its
+    ``lower``).
 
     Raises:
       LookupError: some piece has no live copy (then the caller restores a checkpoint).
     """
     devices = self.devices if self.devices is not None else jax.devices()
     live = [d for d in devices if d not in self.dead]
-    moved = CrossProcessPeers(self.programs, self.dead, live, target, meshes, t_min, self.cache)
-    if not run:
-      return moved
-    self._crossing_bytes += moved.copied_bytes
-    self.crossed_bytes = moved.crossed_bytes
-    return moved.move()
+    if not self.programs:
+      raise LookupError("no replica of the old plan is left on the live processes")
+    classes = [(leaves_of(target)[0], mesh) for target, mesh in zip(targets, meshes)]
+    move = PeerMove(self._old, self.dead, classes, self._read, self.cache, live=live)
+    if move.missing is not None:
+      raise LookupError(move.missing)
+    across = PeersAcross(move, list(meshes))
+    if run:
+      move.run()
+      self._crossing_bytes += move.copied_bytes
+      self.crossed_bytes = move.crossed_bytes
+    return across
 
   def describe(self) -> str:
     return f"live DP peers ({len(self.dead)} failed device(s))"
+
+
+class PeersAcross(BaseSource):
+  """The new plan's state moved from live DP peers across processes (``over_processes``):
+  each class's arrays, spanning the processes, handed over as they are (``direct``).
+
+  Attributes:
+    move: the ``PeerMove`` of every class. copied_bytes, crossed_bytes: as ``PeerMove``'s.
+  """
+
+  spans_processes = True
+
+  def __init__(self, move: PeerMove, meshes: list):
+    self.move, self._meshes = move, meshes
+
+  @property
+  def copied_bytes(self) -> int:
+    return self.move.copied_bytes
+
+  @property
+  def crossed_bytes(self) -> int:
+    return self.move.crossed_bytes
+
+  def lower(self) -> list[jax.stages.Lowered]:
+    """The move's programs (this process's packs and unpacks, and the collective)."""
+    return self.move.lower() or []
+
+  def direct(self, leaves: list[Leaf], mesh) -> ClassMove:
+    """Class ``mesh``'s arrays from the move (lowered with it: its ``lower`` is empty)."""
+    return ClassMove(self.move, self._meshes.index(mesh), lowers=False)
+
+  def describe(self) -> str:
+    return "live DP peers, across processes"

@@ -241,18 +241,18 @@ class LogicalSource(Protocol):
     compiling ahead); ``[]``: they run no program of ours; None when the source cannot
     tell before it reads (then ``Placement.lower`` gives up)."""
 
-  def over_processes(self, target: Any, meshes: list[Mesh], t_min: int, *,
+  def over_processes(self, targets: list[Any], meshes: list[Mesh], t_min: int, *,
                      run: bool = True) -> LogicalSource | None:
     """A multi-process job: a source of the same state whose arrays span every process
     (``spans_processes``), made the source's own way (live DP peers move theirs across
     processes); None: read it once over every process (``spanning.SpanningSource``).
 
     Args:
-      target: the first class's abstract state (names the logical leaves).
+      targets: every class's abstract state, in plan order (their leaves and layouts).
       meshes: every class's mesh, in plan order. t_min: the smallest TP degree.
       run: False: for compiling ahead, the source with its moves planned but not run;
-        its ``lower()`` lowers them, and its ``read_programs`` tell what placing from it
-        runs.
+        its ``lower()`` lowers them, and its ``read_programs`` (or ``direct``) tell what
+        placing from it runs.
     """
 
   def describe(self) -> str:
@@ -295,7 +295,7 @@ class BaseSource:
                     rest: dict[Path, jax.ShapeDtypeStruct]) -> list[Lowerable] | None:
     return None
 
-  def over_processes(self, target: Any, meshes: list[Mesh], t_min: int, *,
+  def over_processes(self, targets: list[Any], meshes: list[Mesh], t_min: int, *,
                      run: bool = True) -> LogicalSource | None:
     return None
 

@@ -4,7 +4,6 @@ import functools
 import os
 
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 from helpers import tiny_config
@@ -56,11 +55,9 @@ def test_a_recovery_compiled_ahead_compiles_nothing_and_changes_no_loss(tmp_path
   lines = []
   ahead = run(tmp_path / "ahead", "next_failure", lines)
   plain = run(tmp_path / "plain", "none")
-  uninterrupted = run(tmp_path / "whole", "none", **{"ntp.fail_at": "", "ntp.repair_at": ""})
-  # The very programs the loop calls, compiled in another thread: identical results; with
-  # equal shares, the uninterrupted run's losses (as every live recovery gives them).
+  # The very programs the loop calls, compiled in another thread: identical results (that a
+  # live recovery keeps the uninterrupted run's losses is tests/integration/test_live_recovery).
   assert ahead.losses == plain.losses
-  np.testing.assert_allclose(ahead.losses, uninterrupted.losses, rtol=1e-5)
   rows = [r for r in read_records(ahead.metrics_path) if r.get("event") == "recovered"]
   assert [r["step"] for r in rows] == [3, 5, 7]
   for row in rows:
@@ -107,7 +104,9 @@ def test_a_class_program_does_not_depend_on_which_slot_failed():
 
 def test_the_bound_on_programs_stops_the_compile_ahead(tmp_path):
   lines = []
-  run(tmp_path, "next_failure", lines, **{"ntp.precompile_max_programs": 1})
+  config = tiny_config(tmp_path, **{**MESH, "ntp.precompile": "next_failure", "train.steps": 2,
+                                    "ntp.precompile_max_programs": 1})
+  train(config, log=lambda line, *_, **__: lines.append(line), hooks=[WaitForAhead({1})])
   assert any("stopped at 1 programs (ntp.precompile_max_programs)" in line for line in lines)
 
 

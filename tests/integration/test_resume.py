@@ -35,14 +35,10 @@ def test_resume_same_plan_gives_identical_losses(data_workdir, tmp_path):
   whole = run(data_workdir, 12, tmp_path / "whole", **ONE_CURVE).losses
   first = run(data_workdir, 6, tmp_path / "parts", **ONE_CURVE)
   assert first.checkpoint.endswith("6")
-  shutil.copytree(tmp_path / "parts", tmp_path / "parts_reduced")
   second = run(data_workdir, 12, tmp_path / "parts", **ONE_CURVE)
   assert second.start_step == 6 and len(second.losses) == 6
   assert first.losses + second.losses == whole
-  # Onto a plan with one slot failed: same sequences, another layout.
-  reduced = run(data_workdir, 12, tmp_path / "parts_reduced", **ONE_CURVE, **{"ntp.failed": "3"})
-  assert [r.degree for r in reduced.plan.replicas] == [7]
-  np.testing.assert_allclose(reduced.losses, whole[6:], rtol=1e-5)
+  # (Onto another plan: the next test.)
 
 
 def test_resume_onto_a_reduced_replica_matches_the_uninterrupted_run(data_workdir, tmp_path):

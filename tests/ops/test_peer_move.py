@@ -19,7 +19,7 @@ from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.programs import ProgramCache, build_class_programs
 from ntp_jax.sharding.layout import make_layout
 from ntp_jax.state.peer import PeerSource, poison
-from ntp_jax.state.peer_move import held_runs, plan_blocks
+from ntp_jax.state.peer_move import held_runs, plan_blocks, rounds_of
 from ntp_jax.state.placement import Leaf, leaves_of
 from ntp_jax.state.sources import ArraySource
 from ntp_jax.training.config import parse_failed
@@ -50,7 +50,7 @@ def test_each_new_block_is_its_layout_and_only_moved_units_are_counted(units, sh
   old_grid, new_grid = grid(2, 4, "old"), grid(2, 4, "old")[:1, :3]
   dead = {old_grid[0, 3]}
   plans = plan_blocks([(old_grid, {("params", "w"): kernel(old_layout)})], dead,
-                      [kernel(new_layout)], new_grid)
+                      [([kernel(new_layout)], new_grid)])
   held = old_blocks(old_layout, old_grid)
   moved = 0
   for plan in plans:
@@ -73,12 +73,36 @@ def test_a_block_that_does_not_change_is_kept_and_a_lost_unit_is_named():
   layout = make_layout(8, 2)
   old_grid = grid(2, 2, "")
   plans = plan_blocks([(old_grid, {("params", "w"): kernel(layout)})], {old_grid[0, 0]},
-                      [kernel(layout)], old_grid[1:])
+                      [([kernel(layout)], old_grid[1:])])
   assert all(p.kept is not None and p.parts == () for p in plans)
   assert held_runs(layout, 1) == ((4, 8, 0),)
   with pytest.raises(LookupError, match=r"params/w: no live device holds elements 0\.\.3"):
     plan_blocks([(old_grid, {("params", "w"): kernel(layout)})],
-                {old_grid[0, 0], old_grid[1, 0]}, [kernel(layout)], old_grid[1:])
+                {old_grid[0, 0], old_grid[1, 0]}, [([kernel(layout)], old_grid[1:])])
+
+
+def test_near_holders_go_first_then_the_sends_are_spread():
+  """Two processes (the tag's first letter), replica 1 of process b lost slot 1: its new
+  blocks take what replica 1 lacks from process b's other replica, not from process a."""
+  layout, reduced = make_layout(8, 2), make_layout(8, 2, failed=(1,))
+  grid_a, grid_b = grid(1, 2, "a"), grid(2, 2, "b")
+  old = [(grid_a, {("params", "w"): kernel(layout)}), (grid_b, {("params", "w"): kernel(layout)})]
+  plans = plan_blocks(old, {grid_b[1, 1]}, [([kernel(reduced)], grid_b[1:, :1])],
+                      near=lambda holder, device: holder[0] == device[0])
+  [plan] = plans
+  assert {p.device for p in plan.parts} == {grid_b[1, 0], grid_b[0, 1]}
+  # Without the preference the least-loaded holder is the first in plan order.
+  [plan] = plan_blocks(old, {grid_b[1, 1]}, [([kernel(reduced)], grid_b[1:, :1])])
+  assert grid_a[0, 1] in {p.device for p in plan.parts}
+
+
+def test_rounds_send_and_receive_at_most_once_per_device_and_keep_every_pair():
+  pairs = [(0, 4), (0, 5), (1, 5), (2, 6), (0, 6), (3, 4)]
+  rounds = rounds_of(pairs)
+  assert sorted(p for r in rounds for p in r) == sorted(pairs)
+  for r in rounds:
+    assert len({s for s, _ in r}) == len(r) and len({t for _, t in r}) == len(r)
+  assert len(rounds) == 3  # device 0 sends three pieces: no fewer rounds can carry them
 
 
 def make(tp, dp, failed, source, cache):

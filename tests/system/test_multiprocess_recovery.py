@@ -72,21 +72,17 @@ def _launch(processes, workdir, settings, *, launcher=(), program="train.py", en
 
 @pytest.mark.parametrize("replica", [1, 0], ids=["process-1-replica", "process-0-replica"])
 def test_a_failure_and_repair_across_processes_recover_live(tmp_path, replica):
-  """The failure and repair of a device; with replica 1 damaged, compiled ahead: every
-  process compiles the plans one event away in the background, and the recoveries (the
-  moves across processes, the new classes' steps and sync) compile nothing. With replica
-  0 damaged, in recoverable mode: nothing is lost, and the processes still end cleanly
-  (the coordination service leaves recoverable tasks out of its shutdown barrier)."""
+  """The failure and repair of a device, with either replica damaged. With replica 0, in
+  recoverable mode: nothing is lost, and the processes still end cleanly (the coordination
+  service leaves recoverable tasks out of its shutdown barrier). Compiling ahead across
+  processes is checked where a process is lost (the next test; ``bench/lost_process.py``
+  case C measures it for a failure and a repair)."""
   events = {"ntp.recovery": "live", "ntp.fail_at": f"4@{replica}:2",
             "ntp.repair_at": f"8@{replica}:2"}
   expected, _ = _reference(tmp_path, "one", **events)
   workdir = tmp_path / "two"
-  ahead = replica == 1
-  done = _launch(2, workdir, {**BASE, **events, "checkpoint.every": 0,
-                              "ntp.precompile": "next_failure" if ahead else "none",
-                              "distributed.recoverable": not ahead},
-                 program="tests/programs/train_with_hooks.py",
-                 env={"NTP_JAX_WAIT_FOR_AHEAD": "1"})
+  done = _launch(2, workdir, {**BASE, **events, "checkpoint.every": 0, "ntp.precompile": "none",
+                              "distributed.recoverable": replica == 0})
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
   records = _equal_losses(workdir, expected)
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
@@ -95,9 +91,6 @@ def test_a_failure_and_repair_across_processes_recover_live(tmp_path, replica):
   assert degrees[8] == [4, 4] and degrees[STEPS - 1] == [4, 4]
   recovered = [r for r in records if r.get("event") == "recovered"]
   assert [r["path"] for r in recovered] == ["live", "live"]
-  assert [r["compiled_ahead"] for r in recovered] == [ahead, ahead]
-  if ahead:
-    assert [r["compile_s"] for r in recovered] == [0.0, 0.0], recovered
   # Replica `replica`'s own live slots hold part of its state; the rest crossed processes.
   assert recovered[0]["crossed_bytes"] > 0
   assert "restoring" not in done.stdout and "resuming" not in done.stdout
