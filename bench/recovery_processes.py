@@ -23,6 +23,11 @@ gpt_tiny as 2 processes x 4 CPU devices (``python -m ntp_jax.launch``), dp=2 tp=
 (``ntp.precompile=next_failure``, each step waiting for the background compile
 to finish, as a long run's failures come long after it has).
 
+Then the live move against its floors: its seconds (compiled ahead) against one
+collective carrying the same bytes between the two processes
+(``bench/collective_floor.py``), and the live path against the restart from the
+just-in-time checkpoint.
+
 Times are read from the ``time`` of the step rows in ``metrics.jsonl``; the
 restarts start as soon as the survivor has exited (a scheduler's own delay is
 not counted). Every run has a fresh work folder (a cold compilation cache).
@@ -85,6 +90,19 @@ def _events(rows, name):
   return [r for r in rows if r.get("event") == name]
 
 
+def collective_seconds(nbytes: int) -> float:
+  """One collective carrying ``nbytes`` from process 1 to process 0 (``collective_floor.py``),
+  compiled, the fastest of five."""
+  command = [sys.executable, "-m", "ntp_jax.launch", "--processes=2", "--", sys.executable,
+             os.path.join("bench", "collective_floor.py"), str(nbytes)]
+  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                        env=_env())
+  line = next((x for x in done.stdout.splitlines() if "collective_s=" in x), None)
+  if done.returncode != 0 or line is None:
+    raise SystemExit(f"collective floor failed: {done.stderr[-2000:]}")
+  return float(line.split("collective_s=")[1])
+
+
 def _live_row(work, settings, at, ahead, env, name, launcher=()):
   """The row of a run that recovers without a restart, compiled ahead or not."""
   done = _launch(work, {**settings, **(AHEAD if ahead else {})},
@@ -97,7 +115,8 @@ def _live_row(work, settings, at, ahead, env, name, launcher=()):
   crossed = recovered.get("crossed_bytes")
   return (name + (", compiled ahead" if ahead else ""), times[at] - times[at - 1], 0,
           f"move {recovered['move_s']:.2f} s, compile {recovered['compile_s']:.2f} s"
-          + (f", {crossed / 1e6:.2f} MB between processes" if crossed else ""))
+          + (f", {crossed / 1e6:.2f} MB between processes" if crossed else ""),
+          recovered['move_s'], crossed)
 
 
 def main():
@@ -132,7 +151,7 @@ def main():
       note = (f"survivor wrote step {jit[0]['step']} in {jit[0]['seconds']:.2f} s" if jit else
               f"restart from step {saved[-1]}")
       results.append((f"process 1 lost, restart from the {name}", times[at] - lost_at,
-                      at - saved[-1], note))
+                      at - saved[-1], note, None, None))
 
     goes_on = {"checkpoint.every": 1000, "distributed.recoverable": True,
                "ntp.rebalance": "constant"}
@@ -146,8 +165,18 @@ def main():
         f"heartbeat {args.heartbeat:g} s)\n")
   print("| failure | seconds to the next productive step | steps redone before it | notes |")
   print("|---|---:|---:|---|")
-  for name, seconds, redone, note in results:
+  for name, seconds, redone, note, _, _ in results:
     print(f"| {name} | {seconds:.1f} | {redone} | {note} |")
+  # The live move across processes against its floors, compiled ahead.
+  _, live_s, _, _, move_s, crossed = results[1]
+  jit_s = results[2][1]
+  floor = collective_seconds(crossed)
+  print("\n| figure | value |\n|---|---|")
+  print(f"| live move across processes, compiled ahead / one collective of the same "
+        f"{crossed / 1e6:.2f} MB between the processes ({floor:.3f} s, fastest of 5) | "
+        f"{move_s:.2f} s / {floor:.3f} s = {move_s / floor:.1f} |")
+  print(f"| live across processes, compiled ahead / restart from the just-in-time checkpoint | "
+        f"{live_s:.1f} s / {jit_s:.1f} s = {live_s / jit_s:.2f} |")
 
 
 if __name__ == "__main__":
