@@ -262,8 +262,8 @@ def main():
   plain_goodput, plain_effective = goodput_of(long_plain)
   overlap, overlapped = overlap_cost(long_run.records, long_plain.records)
   parts = ", ".join(f"{name} {live_event[key]:.2f} s" for name, key in (
-      ("plan", "plan_s"), ("move", "move_s"), ("compile", "compile_s"),
-      ("first step", "first_step_s")))
+      ("plan", "plan_s"), ("move", "move_s"), ("of it the state's own", "transfer_s"),
+      ("compile", "compile_s"), ("first step", "first_step_s")))
   lines = [f"`python bench/recovery.py --config {os.path.relpath(args.config, ROOT)} "
            f"--batch {args.batch} --seq {args.seq} --goodput-steps {steps}` "
            f"({jax.devices()[0].platform}, 8 devices, mesh 2 x 4, "

@@ -66,6 +66,7 @@ class PeerSource(BaseSource):
   Attributes:
     copied_bytes: bytes copied between devices by the moves that ran.
     crossed_bytes: of those, bytes that changed process.
+    transfer_s: the seconds those moves took.
 
   Raises (from a move's call, ``over_processes``):
     LookupError: some piece has no live copy in any replica (then the
@@ -79,7 +80,6 @@ class PeerSource(BaseSource):
     self.dead = dead
     self.devices = list(devices) if devices is not None else None
     self.crossed_bytes = 0
-    self._crossing_bytes = 0
     self._moves: list[PeerMove] = []
     self._nodes: dict[int, tuple[Any, dict[Path, Any]]] = {}  # per old class, its state's nodes
     self._old = [(program.mesh, {leaf.path: leaf for leaf in leaves_of(
@@ -88,7 +88,13 @@ class PeerSource(BaseSource):
 
   @property
   def copied_bytes(self) -> int:
-    return self._crossing_bytes + sum(m.copied_bytes for m in self._moves if m.ran)
+    return sum(m.copied_bytes for m in self._moves if m.ran)
+
+  @property
+  def transfer_s(self) -> float:
+    """Seconds the moves that ran took, until their arrays were ready (building the new
+    plan's class programs around them not counted)."""
+    return sum(m.seconds for m in self._moves if m.ran)
 
   def direct(self, leaves: list[Leaf], mesh) -> ClassMove:
     """The move of a new class's ``leaves`` onto ``mesh`` (a ``peer_move.PeerMove`` of one
@@ -127,9 +133,9 @@ class PeerSource(BaseSource):
     if move.missing is not None:
       raise LookupError(move.missing)
     across = PeersAcross(move, list(meshes))
+    self._moves.append(move)
     if run:
       move.run()
-      self._crossing_bytes += move.copied_bytes
       self.crossed_bytes = move.crossed_bytes
     return across
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -352,7 +353,7 @@ class PeerMove:
     copied_bytes: bytes that change device (every process, the same count).
     crossed_bytes: of those, bytes that change process. wire_bytes: what the collective
       carries between processes, padding included.
-    ran: the move has run.
+    ran: the move has run. seconds: how long it took, until its arrays were ready.
 
   ``run()`` runs the move and returns, per new class, ``path -> jax.Array`` in the class
   sharding (blocks ``P('dp', 'tp')``, replica-stacked ``P('dp')``, bare ``P()``; None for a
@@ -368,6 +369,7 @@ class PeerMove:
     self.missing: str | None = None
     self.copied_bytes = self.crossed_bytes = self.wire_bytes = 0
     self.ran = False
+    self.seconds = 0.0
     self._result: list | None = None
     near = None if live is None else (lambda a, b: a.process_index == b.process_index)
     try:
@@ -521,7 +523,10 @@ class PeerMove:
     if self.missing is not None:
       raise LookupError(self.missing)
     if self._result is None:
+      start = time.perf_counter()
       self._result = self._run()
+      jax.block_until_ready([r for r in self._result if r is not None])
+      self.seconds = time.perf_counter() - start
       self.ran = True
     return self._result
 

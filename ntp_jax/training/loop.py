@@ -368,6 +368,7 @@ class TrainingRun:
     self.clock.add("reconfigure", time.perf_counter() - start - wait_s - move_compile)
     self.moved_bytes += source.copied_bytes
     record.path, record.move_s, record.copied_bytes = "live", move_s, source.copied_bytes
+    record.transfer_s = source.transfer_s
     record.seconds = time.perf_counter() - start
     across = ""
     if jax.process_count() > 1:

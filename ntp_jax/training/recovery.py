@@ -26,7 +26,9 @@ class RecoveryRecord:
     cut: the failure came inside a step, which is redone.
     path: ``"live"`` (from DP peers) or ``"restart"`` (from the last checkpoint); None
       until one is taken.
-    seconds: from the failure to the state on the new plan. move_s: the move (or restore).
+    seconds: from the failure to the state on the new plan. move_s: the move (or restore)
+      and building the new plan's class programs. transfer_s: of that, the state's own move
+      (live), until its arrays were ready.
     copied_bytes: bytes copied between devices (live). crossed_bytes: of those, between
       processes (several processes only). redo: steps redone (restart).
   """
@@ -40,6 +42,7 @@ class RecoveryRecord:
   path: str | None = None
   seconds: float | None = None
   move_s: float | None = None
+  transfer_s: float | None = None
   copied_bytes: int | None = None
   crossed_bytes: int | None = None
   redo: int | None = None
@@ -49,7 +52,7 @@ class RecoveryRecord:
     seconds from the failure to the end of the first step), ``compiled_ahead`` and
     ``first_step_s`` (None: no step ran on the new plan)."""
     fields = {k: getattr(self, k) for k in ("path", "seconds", "plan_s", "wait_s", "move_s",
-                                            "copied_bytes", "crossed_bytes", "redo")
+                                            "transfer_s", "copied_bytes", "crossed_bytes", "redo")
               if getattr(self, k) is not None}
     fields["compile_s"] = round(compile_s, 3)
     fields["compiled_ahead"] = self.ahead

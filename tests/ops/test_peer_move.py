@@ -142,4 +142,4 @@ def test_the_live_move_equals_placing_the_logical_state(before, after):
   expected = make(4, 2, after, ArraySource(logical), cache)
   for got, want in zip(blocks(moved), blocks(expected)):
     jax.tree.map(np.testing.assert_array_equal, got, want)
-  assert source.copied_bytes > 0
+  assert source.copied_bytes > 0 and source.transfer_s > 0

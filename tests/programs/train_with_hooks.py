@@ -6,7 +6,10 @@
 - ``NTP_JAX_DIE_AFTER``: process ``P`` kills itself (SIGKILL) after step ``S``. A lost
   host at a known point of the run: the step is complete everywhere (its sync is
   shared), and a peer already waits at the next step's start, so the survivors meet
-  the loss there (``processes.arrival``).
+  the loss there (``processes.arrival``). A job whose survivors do not take a loss
+  over (neither ``distributed.recoverable`` nor ``distributed.jit_checkpoint_s``)
+  publishes no arrival: ``NTP_JAX_DIE_AT_ONCE=1`` kills without waiting for it (the
+  survivors meet the loss in the next step's collective, and their heartbeat ends them).
 - ``NTP_JAX_WAIT_FOR_AHEAD=1``: before every step, wait for the compile ahead of the
   plans one event away to finish (``ntp.precompile``), as a long run's failures come
   long after it has.
@@ -34,11 +37,13 @@ class DieAfter(Hook):
   """Process ``process`` ends itself after ``step``, the ``epoch``-th loss of the job (the
   arrival keys of each plan after a loss carry the number of losses before it)."""
 
-  def __init__(self, process: int, step: int, epoch: int):
-    self.process, self.step, self.epoch = process, step, epoch
+  def __init__(self, process: int, step: int, epoch: int, at_once: bool = False):
+    self.process, self.step, self.epoch, self.at_once = process, step, epoch, at_once
 
   def on_step(self, info) -> None:
     if info.step == self.step and jax.process_index() == self.process:
+      if self.at_once:
+        os.kill(os.getpid(), signal.SIGKILL)
       # Once a peer waits at the next step's start: no collective of this step is still
       # running there (a kill inside one cannot be survived on gloo; docs/multihost.md).
       from jax._src import distributed as jax_distributed  # the coordination service's client
@@ -62,7 +67,8 @@ def hooks_from_environment() -> list[Hook]:
   deaths = [tuple(map(int, item.split(":")))
             for item in os.environ.get("NTP_JAX_DIE_AFTER", "").split(",") if item]
   for epoch, (process, step) in enumerate(sorted(deaths, key=lambda d: d[1])):
-    hooks.append(DieAfter(process, step, epoch))
+    hooks.append(DieAfter(process, step, epoch,
+                          at_once=os.environ.get("NTP_JAX_DIE_AT_ONCE") == "1"))
   return hooks
 
 
