@@ -312,7 +312,6 @@ class CheckpointSource(BaseSource):
     return self.checkpoints.restore(self.step, requests)
 
   def read_programs(self, blocks: dict[Path, jax.ShapeDtypeStruct],
-                    copies: dict[Path, jax.ShapeDtypeStruct],
                     rest: dict[Path, jax.ShapeDtypeStruct]) -> list:
     """orbax restores each request straight into its sharding: no program of ours runs."""
     return []
@@ -325,7 +324,6 @@ class CheckpointShapes(BaseSource):
   (``NotImplementedError``)."""
 
   def read_programs(self, blocks: dict[Path, jax.ShapeDtypeStruct],
-                    copies: dict[Path, jax.ShapeDtypeStruct],
                     rest: dict[Path, jax.ShapeDtypeStruct]) -> list:
     return []
 

@@ -195,14 +195,12 @@ class LogicalSource(Protocol):
   Attributes:
     serves_blocks: ``read_blocks`` hands over every split leaf ``place_logical`` wants
       (``read`` is asked for none of them); else ``read`` is asked for them all.
-    serves_copies: the same for ``read_copies`` and the unsplit leaves.
     spans_processes: in a multi-process job the source's arrays already span every
       process (``spanning.SpanningArrays``): ``programs.build_class_programs`` places
       from it as it is, not through ``over_processes``.
   """
 
   serves_blocks: bool
-  serves_copies: bool
   spans_processes: bool
 
   def paths(self) -> set[Path] | None:
@@ -227,19 +225,12 @@ class LogicalSource(Protocol):
     """Split leaves as ``[1, 1, *piece]`` buffers on each requested device of this
     process, every path of ``requests`` (asked only when ``serves_blocks``)."""
 
-  def read_copies(self, requests: dict[Path, jax.ShapeDtypeStruct]
-                  ) -> dict[Path, dict[jax.Device, jax.Array]]:
-    """Unsplit leaves as the class state holds them on each requested device (replica-stacked:
-    ``[1, *shape]``; bare: the whole array), every path of ``requests`` (asked only when
-    ``serves_copies``)."""
-
   def read_programs(self, blocks: dict[Path, jax.ShapeDtypeStruct],
-                    copies: dict[Path, jax.ShapeDtypeStruct],
                     rest: dict[Path, jax.ShapeDtypeStruct]) -> list[Lowerable] | None:
-    """The compiled operations that ``read_blocks(blocks)``, ``read_copies(copies)`` and
-    ``read(rest)`` run, the very objects those calls use (each ``lower()``s itself, for
-    compiling ahead); ``[]``: they run no program of ours; None when the source cannot
-    tell before it reads (then ``Placement.lower`` gives up)."""
+    """The compiled operations that ``read_blocks(blocks)`` and ``read(rest)`` run, the very
+    objects those calls use (each ``lower()``s itself, for compiling ahead); ``[]``: they
+    run no program of ours; None when the source cannot tell before it reads (then
+    ``Placement.lower`` gives up)."""
 
   def over_processes(self, targets: list[Any], meshes: list[Mesh], t_min: int, *,
                      run: bool = True) -> LogicalSource | None:
@@ -261,13 +252,12 @@ class LogicalSource(Protocol):
 
 class BaseSource:
   """Defaults of ``LogicalSource``: every path, the default even split, no direct move,
-  every leaf through ``read`` (no blocks or copies handed over), nothing known ahead, not
+  every leaf through ``read`` (no blocks handed over), nothing known ahead, not
   spanning processes (read over them by ``spanning.SpanningSource``), the class name.
   Subclasses define ``read``.
   """
 
   serves_blocks = False
-  serves_copies = False
   spans_processes = False
 
   def paths(self) -> set[Path] | None:
@@ -286,12 +276,7 @@ class BaseSource:
                   ) -> dict[Path, dict[jax.Device, jax.Array]]:
     raise NotImplementedError(f"{type(self).__name__}.read_blocks (serves_blocks is False)")
 
-  def read_copies(self, requests: dict[Path, jax.ShapeDtypeStruct]
-                  ) -> dict[Path, dict[jax.Device, jax.Array]]:
-    raise NotImplementedError(f"{type(self).__name__}.read_copies (serves_copies is False)")
-
   def read_programs(self, blocks: dict[Path, jax.ShapeDtypeStruct],
-                    copies: dict[Path, jax.ShapeDtypeStruct],
                     rest: dict[Path, jax.ShapeDtypeStruct]) -> list[Lowerable] | None:
     return None
 
@@ -551,7 +536,7 @@ class Placement:
 
   Everything is decided at construction from metadata: the target's leaves and
   layouts, the mesh, and what the source declares (``paths``, ``pieces``,
-  ``direct``, ``serves_blocks``, ``serves_copies``); nothing is read
+  ``direct``, ``serves_blocks``); nothing is read
   until the call. A source with a direct move (live DP peers) makes the state itself;
   otherwise each replica's devices read the even pieces they hold (split
   leaves: slots ``0..k-1``; others: every device), then one program per class
@@ -569,7 +554,7 @@ class Placement:
   Attributes:
     requests: ``path -> jax.ShapeDtypeStruct`` (logical shape, class dtype, the even
       sharding) of every leaf the source fills.
-    blocks, copies, rest: the requests ``read_blocks``, ``read_copies`` and ``read`` get.
+    blocks, rest: the requests ``read_blocks`` and ``read`` get.
   """
 
   def __init__(self, target: Any, mesh: Mesh, source: LogicalSource,
@@ -587,16 +572,12 @@ class Placement:
     wanted = [] if self.direct is not None else self.wanted
     self.requests = {leaf.path: leaf.abstract(leaf.even_sharding(mesh)) for leaf in wanted}
     # A source that holds the pieces on devices already may hand them over as they are
-    # ([1, 1, *piece] per device, split leaves; the class's own copies of unsplit leaves):
-    # no program runs on them then.
+    # ([1, 1, *piece] per device, split leaves): no program runs on them then.
     self._split = [leaf for leaf in wanted if leaf.layout is not None]
     self._unsplit = [leaf for leaf in wanted if leaf.layout is None]
     self.blocks = ({leaf.path: self.requests[leaf.path] for leaf in self._split}
                    if source.serves_blocks else {})
-    self.copies = ({leaf.path: self.requests[leaf.path] for leaf in self._unsplit}
-                   if source.serves_copies else {})
-    self.rest = {p: r for p, r in self.requests.items()
-                 if p not in self.blocks and p not in self.copies}
+    self.rest = {p: r for p, r in self.requests.items() if p not in self.blocks}
     # Split leaves read whole: each device's piece lifted to [1, 1, *piece].
     self._lift = PerDeviceMap(add_lead, {
         (leaf.path, d): jax.ShapeDtypeStruct(leaf.piece_shape, leaf.dtype,
@@ -622,7 +603,7 @@ class Placement:
     """
     if self.direct is not None:
       return self.direct.lower()
-    reads = self.source.read_programs(self.blocks, self.copies, self.rest)
+    reads = self.source.read_programs(self.blocks, self.rest)
     if reads is None:
       return None
     lowered = [lowered for program in reads for lowered in program.lower()]
@@ -651,9 +632,7 @@ class Placement:
       made = self.direct()
       return self._rebuild(made), set(made)
     blocks = source.read_blocks(self.blocks) if self.blocks else {}
-    copies = source.read_copies(self.copies) if self.copies else {}
     arrays = source.read(self.rest) if self.rest else {}
-    replicas = mesh.devices.shape[0]
     placed: dict[Path, jax.Array] = {}
 
     if self._split:
@@ -677,17 +656,11 @@ class Placement:
               pieces.append(jax.device_put(np.zeros(block, leaf.dtype), device))
         inputs.append(jax.make_array_from_single_device_arrays(spec.shape, spec.sharding, pieces))
       placed.update(zip((leaf.path for leaf in self._split), self._transfer(*inputs)))
-    for leaf in self._unsplit:
-      if leaf.path in copies:
-        shape, spec = ((replicas,) + leaf.shape, P(DP)) if leaf.stacked else (leaf.shape, P())
-        placed[leaf.path] = jax.make_array_from_single_device_arrays(
-            shape, NamedSharding(mesh, spec),
-            [copies[leaf.path][d] for d in mesh.devices.flat if is_mine(d)])
     if self._stack is not None:
       placed.update(zip([leaf.path for leaf in self._stacked],
                         self._stack([arrays[leaf.path] for leaf in self._stacked])))
     for leaf in self._unsplit:
-      if not leaf.stacked and leaf.path not in copies:
+      if not leaf.stacked:
         placed[leaf.path] = jax.device_put(arrays[leaf.path].astype(leaf.dtype),
                                            NamedSharding(mesh, P()))
     return self._rebuild(placed), set(placed)

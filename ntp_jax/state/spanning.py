@@ -165,7 +165,6 @@ class SpanningArrays(BaseSource):
     return out
 
   def read_programs(self, blocks: dict[Path, jax.ShapeDtypeStruct],
-                    copies: dict[Path, jax.ShapeDtypeStruct],
                     rest: dict[Path, jax.ShapeDtypeStruct]) -> list[PerDeviceMap]:
     """``read_blocks``' lift of each piece to ``[1, 1, *piece]`` (from metadata: the arrays
     may not be there yet); ``read`` runs none."""
