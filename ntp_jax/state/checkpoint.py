@@ -89,13 +89,17 @@ class Checkpoints:
     processes: the processes that take part (default: every process of the job);
       the lowest writes the metadata. A subset is what survives a lost process
       (``restrict``, ``training.just_in_time``).
+    reads_only: a reader (``stored_run``, generation, export): it never writes, and never
+      removes the temporary folders of unfinished saves, which a writer elsewhere (a run in
+      progress) may be filling. A writer removes them (before its first save).
 
   Raises:
     CheckpointError: the folder cannot be created or read, naming it.
   """
 
   def __init__(self, directory: str, *, keep: int = 2, asynchronous: bool = True,
-               field: str = "checkpoint.dir", processes: set[int] | None = None):
+               field: str = "checkpoint.dir", processes: set[int] | None = None,
+               reads_only: bool = False):
     if keep < 1:
       raise ConfigError(f"checkpoint.keep: must be >= 1, got {keep}")
     self.directory = os.path.abspath(directory)
@@ -107,7 +111,7 @@ class Checkpoints:
     except OSError as err:
       raise CheckpointError(f"{field}: cannot use {self.directory} ({err.strerror})") from None
     self.keep, self.asynchronous = keep, asynchronous
-    self.processes = processes
+    self.processes, self.reads_only = processes, reads_only
     self._manager = self._open(processes)
 
   def _open(self, processes: set[int] | None) -> ocp.CheckpointManager:
@@ -119,7 +123,7 @@ class Checkpoints:
           barrier_sync_key_prefix="ntp_jax_" + "_".join(map(str, sorted(processes))))
     options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=processes is None,
                                            enable_async_checkpointing=self.asynchronous,
-                                           cleanup_tmp_directories=True,
+                                           cleanup_tmp_directories=not self.reads_only,
                                            multiprocessing_options=multiprocessing)
     try:
       return ocp.CheckpointManager(

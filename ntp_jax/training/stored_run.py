@@ -168,7 +168,7 @@ def open_stored_run(where: str, step: int | None = None, *, field: str,
     raise CheckpointError(f"{field}: no folder {where}")
   directory, step_of_folder = locate(where)
   step = step if step is not None else step_of_folder
-  checkpoints = Checkpoints(directory, asynchronous=False, field=field)
+  checkpoints = Checkpoints(directory, asynchronous=False, field=field, reads_only=True)
   try:
     if step is None:
       step = checkpoints.latest_step()

@@ -2,6 +2,7 @@
 metadata may lack, and one line naming the file for bad metadata."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -72,3 +73,14 @@ def test_where_there_is_no_run_is_one_line_naming_the_flag(tmp_path):
   with pytest.raises(CheckpointError, match=r"^--step: .*/4 is not a complete checkpoint "
                                             r"\(complete steps: 1\)$"):
     open_stored_run(str(tmp_path), 4, field="--checkpoint")
+
+
+def test_a_reader_leaves_the_unfinished_save_of_a_writer_alone(tmp_path):
+  """A run in progress may be filling a step's temporary folder while generation or an export
+  reads the same folder: only a writer removes unfinished saves."""
+  _save(tmp_path, 1, {})
+  unfinished = tmp_path / "2.orbax-checkpoint-tmp"
+  (unfinished / "state.orbax-checkpoint-tmp").mkdir(parents=True)
+  assert open_stored_run(str(tmp_path), field="--from").step == 1
+  time.sleep(0.5)  # orbax removes temporary folders in a background thread
+  assert unfinished.is_dir()
