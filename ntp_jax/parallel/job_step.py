@@ -10,7 +10,7 @@ back and run concurrently on their own devices.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -27,6 +27,7 @@ from ntp_jax.parallel.programs import (
   covering_classes,
 )
 from ntp_jax.parallel.sync import synced_loss
+from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer
 from ntp_jax.sharding.topology import holds_mine
 
 
@@ -47,6 +48,9 @@ class JobStep:
     before_sync: called after the gradients and before the sync (the step's first
       collective across processes when every TP group lies in one process): the
       arrival check of ``processes.arrival``. What it raises leaves the state as it was.
+    zero: shard the optimizer state over the peer groups (``zero.ZeroSettings``; the
+      programs built split): the class programs' ``opt_state`` moves into the step's
+      sharded state and is None between steps (``optimizer_states`` gives it back).
 
   Raises:
     ValueError: this process holds no device of the plan.
@@ -54,7 +58,8 @@ class JobStep:
 
   def __init__(self, plan: Plan, programs: list[ClassProgram],
                cache: ProgramCache | None = None, *, split: bool = False,
-               before_sync: Callable[[], None] | None = None):
+               before_sync: Callable[[], None] | None = None,
+               zero: ZeroSettings | None = None):
     self.plan = plan
     self.programs = programs
     self.cache = cache or ProgramCache()
@@ -65,15 +70,47 @@ class JobStep:
                        f"(TP degrees {[r.degree for r in plan.replicas]})")
     self.sync = None
     self.sync_key = None
-    if len(programs) > 1 or split:
+    if len(programs) > 1 or split or zero is not None:
       meshes, t_min = [p.mesh for p in programs], min(c.degree for c in plan.classes)
       self.sync_key, self.sync = cached_sync(self.cache, meshes, t_min)
+    self.zero = self.zero_key = self.zero_state = None
+    if zero is not None:
+      self.zero_key, self.zero = cached_sharded_optimizer(self.cache, self.sync_key, self.sync,
+                                                          zero)
+      # What the class layout's state looks like, to give it back (checkpoints, live peers).
+      self.opt_shapes = [jax.tree.map(_abstract, p.opt_state) for p in programs]
+      self.zero_state = self.zero.start(programs)
 
   @property
   def keys(self) -> list:
     """The ``ProgramCache`` keys of every program this step runs."""
-    return [p.key for p in self.programs if p.key is not None] + (
-        [self.sync_key] if self.sync_key is not None else [])
+    keys = [p.key for p in self.programs if p.key is not None]
+    if self.zero_key is not None:  # the sharded update replaces the all-reduce
+      return keys + [self.zero_key]
+    return keys + ([self.sync_key] if self.sync_key is not None else [])
+
+  def optimizer_states(self, dead: Collection[jax.Device] = frozenset()) -> None:
+    """With ``zero``: put the optimizer state back into the class programs in the class
+    layout (``program.opt_state``), for a checkpoint or a move to another plan; a no-op
+    otherwise. ``release_optimizer_states`` drops it again.
+
+    Args:
+      dead: failed devices, whose pieces are taken from other copies.
+
+    Raises:
+      LookupError: a piece of the state was held by ``dead`` devices only.
+    """
+    if self.zero is None or self.programs[self.local.index(True)].opt_state is not None:
+      return
+    states = self.zero.class_opt_states(self.zero_state, self.programs, self.opt_shapes, dead)
+    for program, state, shape in zip(self.programs, states, self.opt_shapes):
+      program.opt_state = shape if state is None else state
+
+  def release_optimizer_states(self) -> None:
+    """With ``zero``: drop the class layout's optimizer state (the sharded state holds it)."""
+    if self.zero is not None:
+      for program in self.programs:
+        program.opt_state = None
 
   @property
   def first_local(self) -> ClassProgram:
@@ -122,8 +159,19 @@ class JobStep:
       value = total / (len(sequences) * (sequences.shape[1] - 1)) if value is None else value
     return value
 
-  def _synced_buffers(self, batch: Any) -> list[dict | None]:
-    """Several classes: each local class's synced gradient buffers (None elsewhere)."""
+  def _sharded_step(self, batch: Any) -> dict[str, jax.Array]:
+    """The step with the sharded optimizer (``zero``): gradients, the sharded update, and
+    each class's parameters unpacked from the gathered buffers."""
+    self.release_optimizer_states()  # the sharded state moves on: a class copy would be stale
+    params, self.zero_state, metrics = self.zero.step(self._gradient_buffers(batch),
+                                                      self.zero_state)
+    for program, local, buffers in zip(self.programs, self.local, params):
+      if local:
+        program.params = program.step.unpack(buffers, program.params)
+    return metrics
+
+  def _gradient_buffers(self, batch: Any) -> list[dict | None]:
+    """Each local class's gradient buffers (None elsewhere), then ``before_sync``."""
     buffers: list[dict | None] = []
     for program, local, (start, _) in zip(self.programs, self.local, self.plan.class_rows()):
       buffers.append(program.step.gradients(program.params, class_batch(program, batch, start))
@@ -131,12 +179,18 @@ class JobStep:
     if self.before_sync is not None:
       jax.block_until_ready(buffers)  # the gradients are this process's own work: done first
       self.before_sync()
-    return self.sync(buffers)
+    return buffers
+
+  def _synced_buffers(self, batch: Any) -> list[dict | None]:
+    """Several classes: each local class's synced gradient buffers (None elsewhere)."""
+    return self.sync(self._gradient_buffers(batch))
 
   def __call__(self, batch: Any) -> dict[str, jax.Array]:
     """``batch``: int32 ``[plan.global_batch, seq + 1]`` rows in class order (or a lazy
     ``loop.DatasetRows``); returns the job's ``loss`` and ``grad_norm``, replicated over a
     class mesh this process holds."""
+    if self.zero is not None:
+      return self._sharded_step(batch)
     if self.sync is None:  # one class: the fused step reads the batch itself
       inputs = [class_batch(self.programs[0], batch, 0)]
     else:
@@ -148,3 +202,7 @@ class JobStep:
             program.params, program.opt_state, x)
         metrics = metrics or class_metrics
     return metrics
+
+
+def _abstract(x: Any) -> Any:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))

@@ -25,6 +25,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -272,12 +273,19 @@ class SplitStep:
       job's ``loss`` and ``grad_norm``, replicated over the class mesh.
     evaluate: jitted ``make_eval_loss``.
     mesh: the class mesh (for the abstract buffers in ``lower``).
+    pack: jitted ``tree -> buffers``: any tree laid out as the parameters (the
+      parameters, an Adam moment) in the sync buffers' layout, its loss slot 0
+      (``zero.ShardedOptimizer`` keeps its state so).
+    unpack: jitted ``(buffers, params) -> tree``: the inverse, ``params`` giving the
+      layout (read for shapes only).
   """
 
   grad: Callable[..., Any]
   update: Callable[..., Any]
   evaluate: Callable[..., Any]
   mesh: Mesh
+  pack: Callable[..., Any]
+  unpack: Callable[..., Any]
 
   @classmethod
   def build(cls, graphdef: nnx.GraphDef, params: Any, opt_state: Any, mesh: Mesh,
@@ -312,6 +320,12 @@ class SplitStep:
 
     restore = jax.shard_map(restore_body, mesh=mesh, in_specs=(block_specs, specs),
                             out_specs=specs)
+
+    def pack_body(tree_local):
+      blocks = to_sync_blocks(unstack_local(tree_local), leaves)
+      return {k: v[None] for k, v in pack_buffers(blocks, jnp.zeros((), jnp.float32)).items()}
+
+    pack = jax.shard_map(pack_body, mesh=mesh, in_specs=(specs,), out_specs=block_specs)
     update = _update(settings.optimizer, settings.clip_norm, mesh.devices.shape[0])
 
     def update_step(params, opt_state, buffers):
@@ -327,7 +341,7 @@ class SplitStep:
                                        {"loss": replicated, "grad_norm": replicated}))
     return cls(grad=grad_fn, update=update_fn,
                evaluate=jax.jit(make_eval_loss(graphdef, params, mesh, settings.loss)),
-               mesh=mesh)
+               mesh=mesh, pack=jax.jit(pack), unpack=jax.jit(restore, out_shardings=shardings))
 
   def apply(self, params, opt_state, inputs):
     return self.update(params, opt_state, inputs)

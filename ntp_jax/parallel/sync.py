@@ -173,6 +173,57 @@ class CrossClassSync:
                                    sharding=self.sharding)
         for name, array in class_blocks[0].items()})
 
+  def stack(self, class_buffers: list[dict | None], sharding: NamedSharding | None = None
+            ) -> dict[str, jax.Array] | None:
+    """The core devices' buffers as one array per dtype, ``[live replicas, t_min, L]``, no copy.
+
+    Args:
+      class_buffers: per class, ``dtype -> [replicas, degree, L]`` arrays
+        (``P('dp', 'tp')`` on the class mesh), or None for a class with no
+        device in this process.
+      sharding: of the result over the same devices in the same order (default
+        ``P('replica', 'peer')`` on the sync mesh).
+
+    Returns:
+      None when this process holds no core device.
+    """
+    if not self.local:
+      return None
+    first = next(b for b in class_buffers if b is not None)
+    by_device: dict[str, dict[jax.Device, jax.Array]] = {name: {} for name in first}
+    for buffers in class_buffers:
+      for name, array in (buffers or {}).items():
+        by_device[name].update((s.device, s.data) for s in array.addressable_shards)
+    held = mine(self.mesh)
+    return {name: jax.make_array_from_single_device_arrays(
+        self._stacked_shape(array), sharding or self.sharding, [by_device[name][d] for d in held])
+        for name, array in first.items()}
+
+  def unstack(self, class_buffers: list[dict | None],
+              stacked: dict[str, jax.Array] | None) -> list[dict | None]:
+    """Inverse of ``stack``: ``class_buffers`` with their core positions taken from
+    ``stacked`` (positions beyond ``t_min`` keep theirs: they hold no data), no copy."""
+    core: dict[str, dict[jax.Device, jax.Array]] = {
+        name: {s.device: s.data for s in array.addressable_shards}
+        for name, array in (stacked or {}).items()}
+    out: list[dict | None] = []
+    for c, buffers in enumerate(class_buffers):
+      if buffers is None:
+        out.append(None)
+        continue
+      synced = {}
+      for name, array in buffers.items():
+        own = {s.device: s.data for s in array.addressable_shards}
+        pieces = []
+        for row in self.meshes[c].devices:
+          for j, device in enumerate(row):
+            if is_mine(device):
+              pieces.append(core[name][device] if j < self.t_min else own[device])
+        synced[name] = jax.make_array_from_single_device_arrays(array.shape, array.sharding,
+                                                                pieces)
+      out.append(synced)
+    return out
+
   def __call__(self, class_buffers: list[dict | None]) -> list[dict | None]:
     """Sum each buffer over all live replicas.
 
@@ -185,38 +236,9 @@ class CrossClassSync:
       The same structure with core positions replaced by the all-reduced
       buffers (positions beyond ``t_min`` keep theirs: they hold no data).
     """
-    first = next(b for b in class_buffers if b is not None)
-    by_device: dict[str, dict[jax.Device, jax.Array]] = {name: {} for name in first}
-    for buffers in class_buffers:
-      for name, array in (buffers or {}).items():
-        by_device[name].update((s.device, s.data) for s in array.addressable_shards)
-    reduced_by_device: dict[str, dict[jax.Device, jax.Array]] = {name: {} for name in first}
-    if self.local:
-      stacked = {}
-      held = mine(self.mesh)
-      for name, array in first.items():
-        stacked[name] = jax.make_array_from_single_device_arrays(
-            self._stacked_shape(array), self.sharding, [by_device[name][d] for d in held])
-      for name, array in self._all_reduce(stacked).items():  # one program for every dtype
-        reduced_by_device[name] = {s.device: s.data for s in array.addressable_shards}
-    out: list[dict | None] = []
-    for c, buffers in enumerate(class_buffers):
-      if buffers is None:
-        out.append(None)
-        continue
-      synced = {}
-      for name, array in buffers.items():
-        pieces = []
-        for row in self.meshes[c].devices:
-          for j, device in enumerate(row):
-            if is_mine(device):
-              # Positions beyond t_min hold no data: keep their (empty) buffers.
-              pieces.append(reduced_by_device[name][device] if j < self.t_min
-                            else by_device[name][device])
-        synced[name] = jax.make_array_from_single_device_arrays(array.shape, array.sharding,
-                                                                pieces)
-      out.append(synced)
-    return out
+    stacked = self.stack(class_buffers)
+    # One program for every dtype.
+    return self.unstack(class_buffers, None if stacked is None else self._all_reduce(stacked))
 
 
 def sync_traffic(plan, abstract_params_by_class: list[nnx.State], itemsize: int = 4,

@@ -32,6 +32,7 @@ from ntp_jax.resilience.events import Event, check_events, parse_events
 
 PRECOMPILE = ("auto", "next_failure", "none")  # ``ntp.precompile`` (ntp_jax.training.precompile)
 RECOVERY = ("live", "restart")  # where a failure's new plan takes its state (``ntp.recovery``)
+OPTIMIZER_SHARDING = ("replicated", "zero1")  # ``train.optimizer_sharding`` (parallel.zero)
 FailedSlots = frozenset[tuple[int, int]]
 
 
@@ -80,6 +81,8 @@ class TrainConfig:
   b2: float
   weight_decay: float
   clip_norm: float
+  optimizer_sharding: str  # one of OPTIMIZER_SHARDING
+  optimizer_copies: int  # zero1: replicas holding each piece of the optimizer state
   log_every: int
   eval_every: int  # 0: no validation loss
   eval_sequences: int
@@ -164,6 +167,9 @@ class RunConfig:
     _no_unknown_fields(config)
     mesh = MeshConfig(tp=reader.int("mesh.tp", low=1), dp=reader.int("mesh.dp", low=1))
     train = _train_section(reader)
+    if train.optimizer_copies > mesh.dp:
+      raise ConfigError(f"train.optimizer_copies: {train.optimizer_copies} copies of each piece "
+                        f"need as many replicas; mesh.dp={mesh.dp}")
     if train.batch_size % mesh.dp:
       raise ConfigError(f"train.batch_size: {train.batch_size} sequences do not split evenly "
                         f"over mesh.dp={mesh.dp} replicas")
@@ -301,6 +307,8 @@ def _train_section(reader: _Reader) -> TrainConfig:
       b1=reader.float("train.b1", low=0.0), b2=reader.float("train.b2", low=0.0),
       weight_decay=reader.float("train.weight_decay", low=0.0),
       clip_norm=reader.float("train.clip_norm", low=0.0),
+      optimizer_sharding=reader.str("train.optimizer_sharding"),
+      optimizer_copies=reader.int("train.optimizer_copies", low=1),
       log_every=reader.int("train.log_every", low=1),
       eval_every=reader.int("train.eval_every", low=0),
       eval_sequences=reader.int("train.eval_sequences"),
@@ -308,6 +316,12 @@ def _train_section(reader: _Reader) -> TrainConfig:
   for name in ("b1", "b2"):
     if getattr(train, name) >= 1:
       raise ConfigError(f"train.{name}: must be below 1, got {getattr(train, name)}")
+  if train.optimizer_sharding not in OPTIMIZER_SHARDING:
+    raise ConfigError(f"train.optimizer_sharding: {train.optimizer_sharding!r} is not one of "
+                      f"{', '.join(OPTIMIZER_SHARDING)}")
+  if train.optimizer_sharding == "replicated" and train.optimizer_copies != 1:
+    raise ConfigError(f"train.optimizer_copies: {train.optimizer_copies} copies need "
+                      "train.optimizer_sharding=zero1 (a replicated state is on every replica)")
   if train.eval_every and train.eval_sequences < 1:
     raise ConfigError(f"train.eval_sequences: must be >= 1, got {train.eval_sequences}")
   return train
@@ -328,6 +342,11 @@ def _ntp_section(reader: _Reader, mesh: MeshConfig, train: TrainConfig,
   precompile = reader.str("ntp.precompile")
   if precompile not in PRECOMPILE:
     raise ConfigError(f"ntp.precompile: {precompile!r} is not one of {', '.join(PRECOMPILE)}")
+  if train.optimizer_sharding != "replicated" and precompile == "next_failure":
+    raise ConfigError(f"ntp.precompile: 'next_failure' does not compile the "
+                      f"{train.optimizer_sharding} optimizer's programs ahead yet; set "
+                      "ntp.precompile=none (or auto) with train.optimizer_sharding="
+                      f"{train.optimizer_sharding}")
   where = dict(dp=mesh.dp, tp=mesh.tp, steps=train.steps)
   events = (parse_events(reader.str("ntp.fail_at"), "fail", **where)
             + parse_events(reader.str("ntp.repair_at"), "repair", **where))

@@ -32,6 +32,7 @@ from ntp_jax.parallel.programs import (
   plan_shapes,
 )
 from ntp_jax.parallel.steps import StepSettings
+from ntp_jax.parallel.zero import ZeroSettings
 from ntp_jax.processes.arrival import ProcessLost
 from ntp_jax.processes.distributed import Job
 from ntp_jax.resilience.events import DeviceFailure, Event
@@ -104,12 +105,15 @@ class TrainingRun:
       processes checks their arrival before its gradient sync, and a lost
       process is survived (``distributed.recoverable``: the run goes on without
       its devices) or its last completed step written (``jit_checkpoint_s``).
+    zero: the sharded optimizer (``parallel.zero.ZeroSettings``; None: the optimizer
+      state replicated on every replica).
   """
 
   def __init__(self, config: RunConfig, model: ModelSpec, *, optimizer, devices, dataset,
                checkpoints, writer, log, failed: frozenset[tuple[int, int]],
-               hooks: Sequence[Hook] = (), precompile: bool = False, job: Job | None = None):
-    self.config, self.model, self.optimizer = config, model, optimizer
+               hooks: Sequence[Hook] = (), precompile: bool = False, job: Job | None = None,
+               zero: ZeroSettings | None = None):
+    self.config, self.model, self.optimizer, self.zero = config, model, optimizer, zero
     self.make_plan = functools.partial(plan_for, config, model)  # failed set -> plan
     self.devices, self.dataset, self.checkpoints = devices, dataset, checkpoints
     self.writer, self.log, self.job, self.hooks = writer, log, job, list(hooks)
@@ -186,19 +190,23 @@ class TrainingRun:
     state.plan = plan
     if self.checkpoints is not None and jax.process_count() > 1:
       self._check_every_process_holds_a_piece(plan)  # from shapes: before anything is placed
-    split = self.guard.arrives_before_sync(plan)
+    arrive = self.guard.arrives_before_sync(plan)
+    split = arrive or self.zero is not None  # the sharded optimizer takes the split halves
     state.programs = build_class_programs(plan, self.model.make, self.optimizer,
                                           self.config.train.clip_norm, self.global_tokens(plan),
                                           self.devices, source=source, cache=self.cache,
                                           loss=self.model.loss, split=split)
     state.job_step = JobStep(plan, state.programs, cache=self.cache, split=split,
-                             before_sync=self._arrive if split else None)
+                             before_sync=self._arrive if arrive else None, zero=self.zero)
     compiled = self.cache.compiled_keys()
     state.compile_next = not set(state.job_step.keys) <= compiled
     if state.step:  # at start-up every program is new: say nothing
       names = [f"class program ({class_label(p.replica_class)})"
                for p in state.programs if p.key is not None]
-      names += ["cross-class sync"] if state.job_step.sync_key is not None else []
+      if state.job_step.zero_key is not None:
+        names.append("sharded optimizer")
+      elif state.job_step.sync_key is not None:
+        names.append("cross-class sync")
       for what, key in zip(names, state.job_step.keys):
         status = "compiled already" if key in compiled else "compiles with the next step"
         self.log(f"  {what}: {status}")
@@ -298,7 +306,11 @@ class TrainingRun:
     meta = {"data_cursor": state.cursor, "plan": state.plan.summary(),
             "config": self.config.to_json_dict()}
     start = time.perf_counter()
-    self.checkpoints.save(state.step, logical_state(state.programs, self.cache), meta)
+    state.job_step.optimizer_states()  # a sharded optimizer state in the class layout, for now
+    try:
+      self.checkpoints.save(state.step, logical_state(state.programs, self.cache), meta)
+    finally:
+      state.job_step.release_optimizer_states()
     held = time.perf_counter() - start
     self.clock.add("checkpoint_save", held)
     state.saved_step = state.step
@@ -353,10 +365,12 @@ class TrainingRun:
     note = ("" if self.precompiler is None else " (programs compiled ahead)" if ahead
             else " (programs not compiled ahead: compiling them now)")
     self.log(f"  moving the state from DP peers onto the new plan{note}")
-    poison(state.programs, dead)
-    source = PeerSource(state.programs, dead | self.guard.lost_devices,
-                        devices=self.devices, cache=self.cache)
     try:
+      # A sharded optimizer state in the class layout, each piece from a live copy.
+      state.job_step.optimizer_states(dead | self.guard.lost_devices)
+      poison(state.programs, dead)
+      source = PeerSource(state.programs, dead | self.guard.lost_devices,
+                          devices=self.devices, cache=self.cache)
       self.build(plan, source)
     except LookupError as err:
       self.log(f"  live recovery impossible ({err}); restoring the last checkpoint instead")

@@ -14,15 +14,18 @@ import optax
 from flax import nnx
 
 from ntp_jax.layers.params import TPParam
+from ntp_jax.parallel.zero import ZeroSettings
 from ntp_jax.training.config import TrainConfig
 
 
-def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(train: TrainConfig, *, masked: bool = True) -> optax.GradientTransformation:
   """AdamW from the ``train`` section (``lr``, ``warmup_steps``, ``schedule_steps``,
   ``min_lr_ratio``, ``b1``, ``b2``, ``weight_decay``; checked by
   ``training.config``): linear warmup to ``lr``, cosine decay to
   ``lr * min_lr_ratio`` at ``schedule_steps`` (``train.steps`` unless set).
-  Clipping is separate (``clip_by_logical_norm``).
+  Clipping is separate (``clip_by_logical_norm``). ``masked=False``: every
+  element decays (for flat buffers whose mask is applied per element,
+  ``zero_settings``).
   """
   length = train.schedule_steps or train.steps  # 0 (a section read as it is): train.steps
   warmup = min(train.warmup_steps, length)
@@ -30,7 +33,16 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
       init_value=0.0, peak_value=train.lr, warmup_steps=warmup,
       decay_steps=max(length, warmup + 1), end_value=train.lr * train.min_lr_ratio)
   return optax.adamw(schedule, b1=train.b1, b2=train.b2, eps=1e-8,
-                     weight_decay=train.weight_decay, mask=decay_mask)
+                     weight_decay=train.weight_decay, mask=decay_mask if masked else None)
+
+
+def zero_settings(train: TrainConfig) -> ZeroSettings | None:
+  """The sharded optimizer of ``train.optimizer_sharding`` (None: replicated): the same
+  AdamW on flat pieces, ``decay_mask`` applied per element."""
+  if train.optimizer_sharding == "replicated":
+    return None
+  return ZeroSettings(make_optimizer(train, masked=False), decay_mask, train.clip_norm,
+                      train.optimizer_copies)
 
 
 def decay_mask(params: nnx.State) -> nnx.State:

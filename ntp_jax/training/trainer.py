@@ -23,7 +23,7 @@ from ntp_jax.data import make_dataset
 from ntp_jax.data.corpus import resolve_source
 from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.data.tokenizer import copy_file
-from ntp_jax.errors import too_few_devices
+from ntp_jax.errors import ConfigError, too_few_devices
 from ntp_jax.layers.shard import replica_view
 from ntp_jax.model import ModelSpec, load_model_spec
 from ntp_jax.parallel.plan import Plan
@@ -50,7 +50,7 @@ from ntp_jax.training.hooks import (
 )
 from ntp_jax.training.loop import TrainingRun, plan_for
 from ntp_jax.training.metrics import MetricsWriter, TensorBoardWriter
-from ntp_jax.training.optim import make_optimizer
+from ntp_jax.training.optim import make_optimizer, zero_settings
 from ntp_jax.training.process_guard import ProcessStop, end_after_grace
 from ntp_jax.training.report import parameter_table
 from ntp_jax.training.resources import check_footprint
@@ -220,6 +220,9 @@ def train(config, *, model: ModelSpec | None = None, log=print,
         "are not the tokens these weights learned")
   for note in job.notes:
     log(note)
+  if job.multi_process and config.train.optimizer_sharding != "replicated":
+    raise ConfigError(f"train.optimizer_sharding: {config.train.optimizer_sharding} runs in one "
+                      f"process for now; this job has {job.num_processes}")
   if job.multi_process:
     mine = [i for i, d in enumerate(devices) if is_mine(d)]
     log(f"process {job.process_id} of {job.num_processes}: {len(jax.local_devices())} local "
@@ -294,7 +297,10 @@ def precompile_on(config: RunConfig, devices: Sequence[jax.Device], log) -> bool
   background (``ntp_jax.training.precompile``)? ``auto`` is on for GPU and TPU, off on CPU (the
   compiling thread would take the cores the step runs on). Logs the choice."""
   setting = config.ntp.precompile
-  on = setting == "next_failure" or (setting == "auto" and devices[0].platform != "cpu")
+  # The sharded optimizer's programs are not compiled ahead yet (training.config refuses
+  # next_failure with it).
+  on = setting == "next_failure" or (setting == "auto" and devices[0].platform != "cpu"
+                                     and config.train.optimizer_sharding == "replicated")
   if on:
     log("compile ahead: on (ntp.precompile): the plans one failure or repair away compile in "
         "the background")
@@ -334,7 +340,8 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
   run = TrainingRun(config, model, optimizer=optimizer, devices=devices, dataset=dataset,
                     checkpoints=checkpoints, writer=writer, log=log, failed=start.failed,
                     hooks=default_hooks(config, log, writer, dataset, primary) + extra_hooks,
-                    precompile=precompile_on(config, devices, log), job=job)
+                    precompile=precompile_on(config, devices, log), job=job,
+                    zero=zero_settings(config.train))
   try:
     run.check_event_plans(start.events)  # from shapes: before anything is placed
     run.start(start.plan, start.source, start.step, start.cursor)

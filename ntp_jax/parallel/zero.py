@@ -1,0 +1,331 @@
+"""ZeRO-1 under NTP: the optimizer state split over the replicas of each peer group.
+
+After the sync's phase 1 (``sync.to_sync_blocks``, ``sync.pack_buffers``) core
+slot ``j`` of every live replica, whatever its TP degree, holds its gradient
+in the same flat layout: one buffer per dtype, ``L`` elements, every logical
+element at exactly one position ``j``. The replicas of peer group ``j`` split
+that buffer into ``P`` pieces (``piece_count``); replica ``r`` holds piece
+``r % P``, so each piece is held by ``R / P >= copies`` replicas. Per piece a
+device keeps float32 master weights, the optimizer's state (Adam's moments
+follow the master weights: float32) and the weight-decay mask; devices past
+the core slots keep none.
+
+One step (``ShardedOptimizer.step``), one program over a
+``('copy', 'piece', 'peer')`` mesh of the core devices:
+
+1. reduce-scatter of the gradient buffers over ``'piece'``, then an
+   all-reduce of the piece over ``'copy'`` (nothing with one copy);
+2. clipping by the global norm of the pieces (each logical element once),
+   and the optimizer's update of the piece (the trainer's AdamW without its
+   decay mask, the mask applied per element);
+3. all-gather of the updated master weights over ``'piece'``, in the
+   parameters' dtype; each class unpacks them into its blocks
+   (``steps.SplitStep.unpack``).
+
+With one copy the bytes across domains are a reduce-scatter and an
+all-gather of the buffer: an all-reduce's. A failed device's pieces are
+taken from another copy (``class_opt_states`` with ``dead``); with no live
+copy left, ``LookupError`` (the restart path). Checkpoints, live peers and
+every other reader see the optimizer state in the class layout
+(``class_opt_states``), so they stay logical and plan-independent.
+Source: Rajbhandari et al., ZeRO (arXiv:1910.02054), stage 1 (optimizer
+state partitioned over data-parallel ranks), over the NTP peer groups
+(Arfeen et al., arXiv:2504.06095, Sec. 4.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from optax import tree_utils
+
+from ntp_jax.parallel.sync import LOSS_DTYPE, CrossClassSync
+from ntp_jax.sharding.topology import holds_mine, mine
+
+COPY = "copy"  # axis of the piece mesh: the replicas holding one piece
+PIECE = "piece"  # axis of the piece mesh: which piece of the peer group's buffer
+PEER = "peer"  # axis of the piece mesh: core slot position (peer group)
+PIECE_SPEC = P((COPY, PIECE), PEER)  # a ``[live replicas, t_min, ...]`` array over the mesh
+MASTER_DTYPE = jnp.float32  # master weights and the moments that follow them
+
+
+def piece_count(replicas: int, copies: int) -> int:
+  """Pieces a peer group's buffer is cut into: the largest divisor ``P`` of ``replicas``
+  with ``replicas / P >= copies`` (each piece held by that many replicas).
+
+  Raises:
+    ValueError: ``copies`` is not between 1 and ``replicas``.
+  """
+  if not 1 <= copies <= replicas:
+    raise ValueError(f"{copies} copies of each optimizer piece need 1 to {replicas} (the live "
+                     "replicas)")
+  return max(p for p in range(1, replicas + 1) if replicas % p == 0 and replicas // p >= copies)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroSettings:
+  """What the sharded optimizer needs; hashable, so it keys its programs in a cache.
+
+  Attributes:
+    optimizer: the update rule applied to each flat piece (the trainer's AdamW
+      with no decay mask: ``decay_mask`` is applied per element instead).
+    decay_mask: ``params -> tree of bool`` (``True``: the parameter decays), the
+      mask the replicated optimizer uses.
+    clip_norm: clip the global gradient norm to this (0: off).
+    copies: replicas holding each piece (``train.optimizer_copies``).
+  """
+
+  optimizer: optax.GradientTransformation
+  decay_mask: Callable[[Any], Any]
+  clip_norm: float
+  copies: int = 1
+
+
+def state_bytes(buffer_lengths: dict[str, int], replicas: int, copies: int) -> int:
+  """Bytes one core device holds of the sharded state (master weights, two Adam moments,
+  the decay mask), for sync buffers of ``buffer_lengths`` (dtype name -> ``L``).
+
+  Devices past the core slots hold none. For the memory plan.
+  """
+  pieces = piece_count(replicas, copies)
+  total = 0
+  for name, length in buffer_lengths.items():
+    n = -(-length // pieces)
+    total += n * (3 * np.dtype(MASTER_DTYPE).itemsize + np.dtype(name).itemsize)
+  return total
+
+
+def _lead(x):
+  """Inside the body: a piece ``[piece]`` -> its block ``[1, 1, piece]`` (scalars stay)."""
+  return x[None, None] if x.ndim else x
+
+
+def _unlead(x):
+  return x[0, 0] if x.ndim else x
+
+
+def _specs(tree):
+  return jax.tree.map(lambda x: PIECE_SPEC if x.ndim else P(), tree)
+
+
+class ShardedOptimizer:
+  """The programs of ZeRO-1 over a plan's peer groups (stateless: the state is passed in).
+
+  Args:
+    sync: the plan's ``sync.CrossClassSync`` (its core devices and their assembly).
+    settings: a ``ZeroSettings``.
+
+  Raises:
+    ValueError: more copies than live replicas.
+  """
+
+  def __init__(self, sync: CrossClassSync, settings: ZeroSettings):
+    self.sync, self.settings = sync, settings
+    replicas, t_min = sync.mesh.devices.shape
+    self.pieces = piece_count(replicas, settings.copies)
+    grid = sync.mesh.devices.reshape(replicas // self.pieces, self.pieces, t_min)
+    self.mesh = Mesh(grid, (COPY, PIECE, PEER))
+    self.sharding = NamedSharding(self.mesh, PIECE_SPEC)
+    self._update = jax.jit(self._update_fn, donate_argnums=(1,))
+    self._scatter = jax.jit(self._scatter_fn)
+    self._gather = jax.jit(self._gather_fn, static_argnames=("lengths",))
+    self._start = jax.jit(self._start_fn)
+    self._decay_tree = jax.jit(lambda params: jax.tree.map(
+        lambda m, x: jnp.full_like(x, m), settings.decay_mask(params), params))
+
+  # -- the programs ---------------------------------------------------------------------------
+
+  def _map(self, body, in_specs, out_specs, *args):
+    return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+
+  def _scatter_fn(self, buffers: dict) -> dict:
+    """``dtype -> [R, t_min, L]`` -> each device's piece ``[R, t_min, ceil(L / P)]``, float32."""
+    pieces = self.pieces
+
+    def body(local):
+      out = {}
+      for name, x in local.items():  # x: [1, 1, L]
+        n = -(-x.shape[-1] // pieces)
+        padded = jnp.pad(x[0, 0], (0, n * pieces - x.shape[-1])).astype(MASTER_DTYPE)
+        out[name] = _lead(jax.lax.dynamic_slice_in_dim(
+            padded, jax.lax.axis_index(PIECE) * n, n))
+      return out
+
+    return self._map(body, (PIECE_SPEC,), PIECE_SPEC, buffers)
+
+  def _gather_fn(self, pieces: dict, lengths: tuple[tuple[str, int], ...]) -> dict:
+    """Inverse of ``_scatter_fn``: every core device gets the whole ``[L]`` buffer, cast to
+    the buffer's dtype."""
+    length = dict(lengths)
+
+    def body(local):
+      return {name: _lead(jax.lax.all_gather(x[0, 0], PIECE, axis=0, tiled=True)
+                          [:length[name]].astype(name)) for name, x in local.items()}
+
+    return self._map(body, (PIECE_SPEC,), PIECE_SPEC, pieces)
+
+  def _start_fn(self, params: dict, decay: dict, mu: dict, nu: dict, count: jax.Array) -> dict:
+    """The sharded state from the class layout's (already packed and cut into pieces)."""
+    opt = self.settings.optimizer.init(params)
+    opt = tree_utils.tree_set(opt, mu=mu, nu=nu, count=count)
+    return {"master": params, "decay": decay, "opt": opt}
+
+  def _update_fn(self, grads: dict, state: dict) -> tuple[dict, dict, dict]:
+    settings, pieces = self.settings, self.pieces
+
+    def body(local, state):
+      state = jax.tree.map(_unlead, state)
+      piece = jax.lax.axis_index(PIECE)
+      g, lengths = {}, {}
+      for name, x in local.items():  # x: [1, 1, L], this replica's gradient at this position
+        lengths[name] = length = x.shape[-1]
+        n = -(-length // pieces)
+        summed = jax.lax.psum_scatter(jnp.pad(x[0, 0], (0, n * pieces - length)), PIECE,
+                                      scatter_dimension=0, tiled=True)
+        summed = jax.lax.psum(summed, COPY).astype(MASTER_DTYPE)
+        # The float32 buffer ends with the replica's loss: no parameter of its own.
+        data = length - 1 if name == LOSS_DTYPE else length
+        g[name] = jnp.where(piece * n + jnp.arange(n) < data, summed, 0)
+      loss = jax.lax.psum(local[LOSS_DTYPE][0, 0, -1], (COPY, PIECE))
+      squares = sum(jnp.sum(jnp.square(v)) for v in g.values())
+      norm = jnp.sqrt(jax.lax.psum(squares, (PIECE, PEER)))
+      if settings.clip_norm:
+        scale = jnp.where(norm > settings.clip_norm, settings.clip_norm / norm, 1.0)
+        g = {name: v * scale for name, v in g.items()}
+      master = state["master"]
+      decayed = {name: master[name] * state["decay"][name] for name in master}
+      updates, opt = settings.optimizer.update(g, state["opt"], decayed)
+      master = optax.apply_updates(master, updates)
+      full = {name: _lead(jax.lax.all_gather(master[name].astype(name), PIECE, axis=0,
+                                             tiled=True)[:lengths[name]])
+              for name in master}
+      new_state = jax.tree.map(_lead, {"master": master, "decay": state["decay"], "opt": opt})
+      return full, new_state, {"loss": loss[None, None], "grad_norm": norm[None, None]}
+
+    specs = _specs(state)
+    full, state, metrics = self._map(body, (PIECE_SPEC, specs),
+                                     (PIECE_SPEC, specs, PIECE_SPEC), grads, state)
+    return full, state, {k: v[0, 0] for k, v in metrics.items()}
+
+  # -- on the classes -------------------------------------------------------------------------
+
+  def start(self, programs: Sequence[Any]) -> dict:
+    """The sharded state from the class programs' parameters and optimizer state (the
+    classes' ``SplitStep.pack``); each program's ``opt_state`` is then dropped (None).
+
+    Raises:
+      ValueError: the optimizer state holds no Adam moments (``mu``, ``nu``).
+    """
+    local = [holds_mine(p.mesh) for p in programs]
+    if not any(local):
+      raise ValueError("this process holds no device of the plan")
+    first = programs[local.index(True)]
+    try:
+      count = tree_utils.tree_get_all_with_path(first.opt_state, "count")[0][1]
+      tree_utils.tree_get(first.opt_state, "mu"), tree_utils.tree_get(first.opt_state, "nu")
+    except (KeyError, IndexError):
+      raise ValueError("train.optimizer_sharding=zero1 shards Adam's moments (mu, nu); this "
+                       "optimizer's state has none") from None
+
+    def packed(read):
+      return self._scatter(self.sync.stack([p.step.pack(read(p)) if here else None
+                                           for p, here in zip(programs, local)],
+                                          self.sharding))
+
+    state = self._start(
+        packed(lambda p: p.params), packed(lambda p: self._decay_tree(p.params)),
+        packed(lambda p: tree_utils.tree_get(p.opt_state, "mu")),
+        packed(lambda p: tree_utils.tree_get(p.opt_state, "nu")),
+        jax.device_put(count, NamedSharding(self.mesh, P())))
+    for program in programs:
+      program.opt_state = None
+    return state
+
+  def step(self, class_buffers: list[dict | None], state: dict
+           ) -> tuple[list[dict | None], dict, dict]:
+    """One update from the classes' gradient buffers (``SplitStep.gradients``).
+
+    Returns:
+      Per class, the updated parameters as sync buffers (``dtype -> [replicas, degree,
+      L]``, None for another process's class: for ``SplitStep.unpack``); the new state
+      (``state`` donated); the job's ``loss`` and ``grad_norm`` (f32 scalars).
+    """
+    full, state, metrics = self._update(self.sync.stack(class_buffers, self.sharding), state)
+    return self.sync.unstack(class_buffers, full), state, metrics
+
+  def class_opt_states(self, state: dict, programs: Sequence[Any], shapes: Sequence[Any],
+                       dead: Collection[jax.Device] = frozenset()) -> list[Any]:
+    """Each class's optimizer state in the class layout (``shapes``: its abstract state),
+    the same as a replicated run keeps (None for another process's class).
+
+    Args:
+      dead: devices whose pieces must not be read: each is taken from another copy.
+
+    Raises:
+      LookupError: a piece is held by dead devices only (one line, for the log).
+    """
+    opt = state["opt"]
+    if dead:
+      opt = jax.tree.map(lambda x: self._from_live_copies(x, set(dead)) if x.ndim else x, opt)
+    count = tree_utils.tree_get_all_with_path(opt, "count")[0][1]
+    local = [holds_mine(p.mesh) for p in programs]
+    templates = [p.step.pack(p.params) if here else None for p, here in zip(programs, local)]
+    lengths = tuple(sorted((k, v.shape[-1]) for k, v in
+                           next(t for t in templates if t is not None).items()))
+
+    def unpacked(moment):
+      full = self._gather(tree_utils.tree_get(opt, moment), lengths=lengths)
+      buffers = self.sync.unstack(templates, full)
+      return [p.step.unpack(b, p.params) if here else None
+              for p, b, here in zip(programs, buffers, local)]
+
+    out = []
+    for program, here, shape, mu, nu in zip(programs, local, shapes, unpacked("mu"),
+                                            unpacked("nu")):
+      if not here:
+        out.append(None)
+        continue
+      replicated = NamedSharding(program.mesh, P())
+      mu = jax.tree.map(lambda m, s: m.astype(s.dtype), mu, tree_utils.tree_get(shape, "mu"))
+      nu = jax.tree.map(lambda m, s: m.astype(s.dtype), nu, tree_utils.tree_get(shape, "nu"))
+      filled = tree_utils.tree_set(shape, mu=mu, nu=nu,
+                                   count=jax.device_put(count, replicated))
+      if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(filled)):
+        raise ValueError("train.optimizer_sharding=zero1: the optimizer state holds more than "
+                         "Adam's count, mu and nu")
+      out.append(filled)
+    return out
+
+  def _from_live_copies(self, array: jax.Array, dead: set) -> jax.Array:
+    """``array`` (a piece leaf) with every dead device's piece copied from a live holder."""
+    by_device = {s.device: s.data for s in array.addressable_shards}
+    grid = self.mesh.devices
+    for (_, p, j), device in np.ndenumerate(grid):
+      if device not in dead:
+        continue
+      live = [grid[other, p, j] for other in range(grid.shape[0])
+              if grid[other, p, j] not in dead]
+      if not live:
+        raise LookupError(
+            f"optimizer state piece {p} of peer position {j} was held by failed devices only "
+            f"(train.optimizer_copies={self.settings.copies})")
+      by_device[device] = jax.device_put(by_device[live[0]], device)
+    return jax.make_array_from_single_device_arrays(array.shape, array.sharding,
+                                                    [by_device[d] for d in mine(self.mesh)])
+
+
+def cached_sharded_optimizer(cache, sync_key, sync: CrossClassSync, settings: ZeroSettings,
+                             *, record: bool = True) -> tuple[Any, ShardedOptimizer]:
+  """``(key, optimizer)``: the ``ShardedOptimizer`` over ``sync``'s devices from ``cache``."""
+  key = ("zero", sync_key, settings)
+  return key, cache.get(key, "sharded optimizer",
+                        functools.partial(ShardedOptimizer, sync, settings), record=record)

@@ -1,0 +1,108 @@
+"""The sharded optimizer's step (``parallel.zero``) against the replicated optimizer's, on the
+uneven SMALL model: the same loss, norm and Adam moments after a step, the class layout's
+state given back exactly, each piece from a live copy, and no live copy said in one line."""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import SEQ, SMALL, assert_trees_close, global_batch
+
+from models.gpt import GPT, model_layouts
+from ntp_jax.parallel.job_step import JobStep
+from ntp_jax.parallel.plan import make_plan
+from ntp_jax.parallel.programs import build_class_programs
+from ntp_jax.parallel.zero import ZeroSettings, piece_count
+from ntp_jax.training.config import parse_failed
+from ntp_jax.training.optim import decay_mask
+
+CLIP = 0.5  # below the first steps' norms: the clip's scale is part of what is compared
+
+
+def adamw(masked=True):
+  return optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask if masked else None)
+
+
+def job(tp, dp, failed="", copies=None, rebalance="equal"):
+  """A JobStep on SMALL (split halves); ``copies``: the sharded optimizer with that many
+  copies, None: replicated."""
+  plan = make_plan(functools.partial(model_layouts, SMALL), tp=tp, dp=dp,
+                   failed=parse_failed(failed, dp, tp), batch_size=2 * dp, rebalance=rebalance)
+  programs = build_class_programs(plan, lambda layouts: GPT(SMALL, layouts, rngs=nnx.Rngs(0)),
+                                  adamw(), CLIP, plan.global_batch * SEQ,
+                                  jax.devices()[:tp * dp], split=True)
+  zero = None if copies is None else ZeroSettings(adamw(masked=False), decay_mask, CLIP, copies)
+  return JobStep(plan, programs, split=True, zero=zero)
+
+
+def steps(step, n):
+  return [step(global_batch(step.plan.global_batch, i)) for i in range(n)]
+
+
+def class_states(step):
+  step.optimizer_states()
+  return [jax.tree.map(np.asarray, (p.params, p.opt_state)) for p in step.programs]
+
+
+def spoil(array, dead):
+  """``array`` with NaN on the ``dead`` devices (a read of them would show)."""
+  if not array.ndim:
+    return array
+  shards = [jax.device_put(np.full(s.data.shape, np.nan, s.data.dtype), s.device)
+            if s.device in dead else s.data for s in array.addressable_shards]
+  return jax.make_array_from_single_device_arrays(array.shape, array.sharding, shards)
+
+
+def test_piece_count_keeps_the_copies():
+  assert [piece_count(4, k) for k in (1, 2, 3, 4)] == [4, 2, 1, 1]
+  assert [piece_count(3, k) for k in (1, 2, 3)] == [3, 1, 1]
+  with pytest.raises(ValueError, match="3 copies"):
+    piece_count(2, 3)
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_a_sharded_step_gives_the_replicated_loss_norm_and_moments(copies):
+  """Degrees 4 and 3 (two classes, t_min 3), one step from the same state: the moments are
+  the clipped gradient and its square, so they are compared tightly; the parameters after
+  Adam's division (which amplifies rounding in near-zero entries) and a second step's loss
+  less so."""
+  replicated, sharded = job(4, 2, "1:3"), job(4, 2, "1:3", copies)
+  assert sharded.zero.pieces == 2 // copies
+  a, b = steps(replicated, 1)[0], steps(sharded, 1)[0]
+  np.testing.assert_allclose(float(b["loss"]), float(a["loss"]), rtol=1e-6)
+  np.testing.assert_allclose(float(b["grad_norm"]), float(a["grad_norm"]), rtol=1e-6)
+  assert float(a["grad_norm"]) > CLIP
+  assert all(p.opt_state is None for p in sharded.programs)  # held as pieces between steps
+  for (params_a, opt_a), (params_b, opt_b) in zip(class_states(replicated),
+                                                  class_states(sharded)):
+    assert_trees_close(opt_b, opt_a, rtol=1e-6, atol=1e-13)
+    assert_trees_close(params_b, params_a, rtol=1e-5, atol=1e-7)
+  a, b = replicated(global_batch(4, 1)), sharded(global_batch(4, 1))
+  np.testing.assert_allclose(float(b["loss"]), float(a["loss"]), rtol=1e-6)
+
+
+def test_the_class_layout_state_comes_back_exactly_and_from_live_copies():
+  """dp=4 tp=2, two copies of each of two pieces: the state given back, sharded again and
+  given back is bit for bit the same; with the devices of replica 0 failed, each of their
+  pieces is read from replica 2 and the result is the same again."""
+  step = job(2, 4, copies=2)
+  assert step.zero.pieces == 2
+  steps(step, 2)
+  first = class_states(step)
+  again = JobStep(step.plan, step.programs, split=True, zero=step.zero.settings)
+  dead = set(step.programs[0].mesh.devices[0])
+  again.zero_state = jax.tree.map(lambda x: spoil(x, dead), again.zero_state)
+  again.optimizer_states(dead)
+  second = [jax.tree.map(np.asarray, (p.params, p.opt_state)) for p in again.programs]
+  jax.tree.map(np.testing.assert_array_equal, second, first)
+
+
+def test_a_piece_with_no_live_copy_is_one_line():
+  step = job(2, 4, copies=1)
+  steps(step, 1)
+  with pytest.raises(LookupError, match=r"piece 1 of peer position 0 was held by failed "
+                                         r"devices only \(train.optimizer_copies=1\)"):
+    step.optimizer_states({step.programs[0].mesh.devices[1, 0]})
