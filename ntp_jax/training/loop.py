@@ -198,6 +198,11 @@ class TrainingRun:
                                           loss=self.model.loss, split=split)
     state.job_step = JobStep(plan, state.programs, cache=self.cache, split=split,
                              before_sync=self._arrive if arrive else None, zero=self.zero)
+    if state.job_step.zero is not None:
+      pieces = state.job_step.zero.pieces
+      self.log(f"optimizer state: zero1, {pieces} piece(s) per peer group, each held by "
+               f"{len(plan.replicas) // pieces} replica(s) (train.optimizer_copies="
+               f"{self.zero.copies})")
     compiled = self.cache.compiled_keys()
     state.compile_next = not set(state.job_step.keys) <= compiled
     if state.step:  # at start-up every program is new: say nothing
