@@ -277,7 +277,7 @@ class SplitStep:
       parameters, an Adam moment) in the sync buffers' layout, its loss slot 0
       (``zero.ShardedOptimizer`` keeps its state so).
     unpack: jitted ``(buffers, params) -> tree``: the inverse, ``params`` giving the
-      layout (read for shapes only).
+      layout (read for shapes only, and donated: the result takes its buffers).
   """
 
   grad: Callable[..., Any]
@@ -341,7 +341,8 @@ class SplitStep:
                                        {"loss": replicated, "grad_norm": replicated}))
     return cls(grad=grad_fn, update=update_fn,
                evaluate=jax.jit(make_eval_loss(graphdef, params, mesh, settings.loss)),
-               mesh=mesh, pack=jax.jit(pack), unpack=jax.jit(restore, out_shardings=shardings))
+               mesh=mesh, pack=jax.jit(pack), unpack=jax.jit(restore, out_shardings=shardings,
+                                                              donate_argnums=(1,)))
 
   def apply(self, params, opt_state, inputs):
     return self.update(params, opt_state, inputs)
