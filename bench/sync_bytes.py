@@ -10,6 +10,16 @@ degree t moves only its extra slots' share, ``2 (t - t_min) / t * G``, which
 needs nested layouts: see docs/sync.md); and the bytes sent across domains
 (phase 2, all core devices together), next to a uniform-TP DP all-reduce of
 the same gradient over the same replicas.
+
+A second table gives, per core device, what crosses domains with each
+optimizer-state choice (``train.optimizer_sharding``): the replicated ring
+all-reduce of the buffer (``2 (R-1)/R * L``), and ZeRO-1 with ``k`` copies
+(``parallel.zero``: ``P = piece_count(R, k)`` pieces, ``C = R / P`` copies):
+a reduce-scatter over the pieces (``(P-1)/P * L``), an all-reduce of the
+piece over its copies (``2 (C-1)/C * L / P``) and an all-gather of the
+updated parameters in their dtype (``(P-1)/P * L``). ``L``: the elements of
+one core position's sync buffer (every parameter's run at ``t_min``
+positions, the loss element).
 """
 
 import argparse
@@ -27,7 +37,9 @@ from flax import nnx  # noqa: E402
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import abstract_params  # noqa: E402
-from ntp_jax.parallel.sync import sync_traffic  # noqa: E402
+from ntp_jax.parallel.sync import regroup_plan, sync_traffic  # noqa: E402
+from ntp_jax.parallel.sync_leaf import sync_leaves  # noqa: E402
+from ntp_jax.parallel.zero import piece_count  # noqa: E402
 from ntp_jax.training.config import parse_failed  # noqa: E402
 
 MIXES = [
@@ -52,6 +64,14 @@ def main():
            "| TP degrees | G (GB) | inside domains (GB) | near-equal runs only (GB) "
            "| nested regroup (GB) | across domains (GB) "
            "| uniform DP all-reduce across domains (GB) |", "|---|---|---|---|---|---|---|"]
+  zero_lines = ["", "Per core device and step, across domains, by optimizer state (GB; "
+                "`/ replicated`: the total over the replicated all-reduce's). With the "
+                "parameters gathered in the gradients' dtype ZeRO-1's three collectives add up "
+                "to the ring all-reduce for any k: (P-1)/P + 2 (C-1)/C / P + (P-1)/P = "
+                "2 (R-1)/R, as R = P C.", "",
+                "| TP degrees | R | L (M elements) | optimizer state | P pieces | C copies "
+                "| reduce-scatter | all-reduce | all-gather | total | / replicated |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, tp, dp, failed in progress(MIXES, "mixes"):
     model = cfg
     if tp > 8:  # a 72-slot domain: finer MLP units so every slot holds some columns
@@ -70,7 +90,33 @@ def main():
     lines.append(f"| {name} | {g / 1e9:.2f} | {traffic['intra_domain'] / 1e9:.2f} "
                  f"| {equal_runs['intra_domain'] / 1e9:.2f} | {nested / 1e9:.2f} "
                  f"| {traffic['cross_replica'] / 1e9:.2f} | {uniform / 1e9:.2f} |")
-  emit(lines, args.out)
+    zero_lines += zero_rows(name, plan, states, itemsize)
+  emit(lines + zero_lines, args.out)
+
+
+def zero_rows(name, plan, states, itemsize) -> list[str]:
+  """Markdown rows: bytes one core device sends across domains per step, replicated and
+  ZeRO-1 with one and two copies (the formulas in the module docstring)."""
+  t_min, live = plan.t_min, len(plan.replicas)
+  regroups = regroup_plan([(sync_leaves(s, c.degree, t_min), len(c.replicas))
+                           for c, s in zip(plan.classes, states)], t_min)
+  length = sum(leaf.block for leaf in sync_leaves(states[0], plan.classes[0].degree, t_min,
+                                                  regroups)) + 1  # the loss element
+  buffer = length * itemsize
+  replicated = 2 * (live - 1) / live * buffer
+  rows = [("replicated", "-", "-", 0.0, replicated, 0.0)]
+  for copies in (1, 2)[:live]:
+    pieces = piece_count(live, copies)
+    held = live // pieces
+    rows.append((f"zero1 k={copies}", pieces, held, (pieces - 1) / pieces * buffer,
+                 2 * (held - 1) / held * buffer / pieces, (pieces - 1) / pieces * buffer))
+  out = []
+  for choice, pieces, held, scatter, reduce, gather in rows:
+    total = scatter + reduce + gather
+    out.append(f"| {name} | {live} | {length / 1e6:.1f} | {choice} | {pieces} | {held} "
+               f"| {scatter / 1e9:.3f} | {reduce / 1e9:.3f} | {gather / 1e9:.3f} "
+               f"| {total / 1e9:.3f} | {total / replicated:.3f} |")
+  return out
 
 
 if __name__ == "__main__":

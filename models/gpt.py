@@ -277,6 +277,7 @@ def gpt_spec(cfg: GPTConfig, seed: int) -> ModelSpec:
       make=make,
       vocab_size=cfg.vocab_size, param_count=count_params(cfg), n_layers=cfg.n_layers,
       unrolled=lambda n: gpt_spec(dataclasses.replace(cfg, n_layers=n, scan_layers=False), seed),
+      layers=lambda n: gpt_spec(dataclasses.replace(cfg, n_layers=n), seed),
       name="gpt",
       export_hf=lambda params, folder, **kw: hf_llama.export_hf(params, cfg, folder, **kw),
       decoding=Decoding(make=make, fields=dataclasses.asdict(cfg),

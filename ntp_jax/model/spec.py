@@ -45,6 +45,10 @@ class ModelSpec:
     unrolled: ``n -> ModelSpec`` of the same model with ``n`` layers and no
       loop (XLA's cost analysis counts a loop body once; see
       ``footprint.per_device_flops``), or None.
+    layers: ``n -> ModelSpec`` of the same model with ``n`` layers, as configured
+      otherwise (scanned or not): the memory plan of a model whose step cannot be
+      built at full depth is extended from two smaller ones (``resources.footprint``);
+      None: it is not.
     name: for logs.
     initial_source: ``() -> LogicalSource`` (``ntp_jax.state.placement``) of the
       parameters a fresh run starts from (no checkpoint to resume, or a
@@ -70,6 +74,7 @@ class ModelSpec:
   loss: Callable[[nnx.Module, jax.Array, jax.Array], jax.Array] = default_loss
   n_layers: int | None = None
   unrolled: Callable[[int], ModelSpec] | None = None
+  layers: Callable[[int], ModelSpec] | None = None
   name: str = "model"
   initial_source: Callable[[], LogicalSource] | None = None
   tokenizer_file: str | None = None

@@ -322,6 +322,51 @@ class ShardedOptimizer:
     return jax.make_array_from_single_device_arrays(array.shape, array.sharding,
                                                     [by_device[d] for d in mine(self.mesh)])
 
+  def abstract_state(self, class_blocks: Sequence[dict[str, Any]]) -> dict:
+    """The state ``start`` makes, as ``jax.ShapeDtypeStruct``s over ``self.mesh`` (nothing
+    allocated or traced but the optimizer's ``init``): each piece ``[live replicas, t_min,
+    ceil(L / pieces)]`` in ``self.sharding`` and ``MASTER_DTYPE`` (``start`` casts every
+    piece, the decay mask's too), the step counts replicated int32 scalars.
+
+    Args:
+      class_blocks: each class's sync buffers (``steps.abstract_sync_blocks``:
+        ``dtype -> [replicas, degree, L]``); only their dtypes and ``L`` are read.
+
+    Raises:
+      ValueError: no class's buffers given.
+    """
+    if not class_blocks:
+      raise ValueError("abstract_state: no class's sync buffers given")
+    replicas, t_min = self.sync.mesh.devices.shape
+    pieces = {name: jax.ShapeDtypeStruct((replicas, t_min, -(-x.shape[-1] // self.pieces)),
+                                         MASTER_DTYPE, sharding=self.sharding)
+              for name, x in class_blocks[0].items()}
+    count = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.mesh, P()))
+    state = jax.eval_shape(self._start_fn, pieces, pieces, pieces, pieces, count)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=self.sharding if x.ndim else NamedSharding(self.mesh, P())),
+        state)
+
+  def _abstract_buffers(self, blocks: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+    """One class's buffers -> the stacked ``[live replicas, t_min, L]`` ones ``step`` takes."""
+    replicas, t_min = self.sync.mesh.devices.shape
+    return {name: jax.ShapeDtypeStruct((replicas, t_min, x.shape[-1]), x.dtype,
+                                       sharding=self.sharding) for name, x in blocks.items()}
+
+  def lower(self, class_blocks: Sequence[dict[str, Any]]) -> jax.stages.Lowered:
+    """The update program of ``step``, lowered for abstract arguments: the gradients
+    ``dtype -> [live replicas, t_min, L]`` and the state (``abstract_state``). Compiling it
+    ahead makes the first step compile nothing; its memory analysis is one core device's.
+
+    Args:
+      class_blocks: each class's sync buffers (``steps.abstract_sync_blocks``).
+
+    Raises:
+      ValueError: no class's buffers given.
+    """
+    state = self.abstract_state(class_blocks)
+    return self._update.lower(self._abstract_buffers(class_blocks[0]), state)
+
 
 def cached_sharded_optimizer(cache, sync_key, sync: CrossClassSync, settings: ZeroSettings,
                              *, record: bool = True) -> tuple[Any, ShardedOptimizer]:

@@ -9,6 +9,15 @@ slot's size); temporaries and argument/output sizes are XLA's memory
 analysis of the compiled SPMD program, which describes one device; flops are
 XLA's cost analysis of the same program (see ``per_device_flops`` for scanned
 layers).
+
+The optimizer state is counted as the run keeps it: replicated (the class
+state's moments, on every replica), or with
+``train.optimizer_sharding=zero1`` (a ``zero.ZeroSettings``) the sharded
+state a core device holds (float32 master weights, Adam moments and decay
+mask, one piece of each sync buffer: ``ShardedOptimizer.abstract_state``);
+its temporaries and outputs are then those of the programs zero1 runs, each
+class's gradient half (``SplitStep.grad``) and the sharded update
+(``ShardedOptimizer.lower``).
 """
 
 from __future__ import annotations
@@ -25,8 +34,22 @@ from flax import nnx
 
 from ntp_jax.analysis.cost import flops_of
 from ntp_jax.parallel.plan import Plan, ReplicaClass
-from ntp_jax.parallel.programs import ClassProgram, abstract_class_state, class_shardings
-from ntp_jax.parallel.steps import FusedStep, SplitStep, StepSettings, default_loss
+from ntp_jax.parallel.programs import (
+  ClassProgram,
+  abstract_class_state,
+  abstract_params,
+  class_shardings,
+)
+from ntp_jax.parallel.steps import (
+  FusedStep,
+  SplitStep,
+  StepSettings,
+  abstract_sync_blocks,
+  default_loss,
+)
+from ntp_jax.parallel.sync import LOSS_DTYPE, CrossClassSync
+from ntp_jax.parallel.sync_leaf import sync_leaves
+from ntp_jax.parallel.zero import ShardedOptimizer, ZeroSettings, piece_count
 from ntp_jax.sharding.mesh import class_mesh
 
 
@@ -37,13 +60,22 @@ class ClassFootprint:
   Attributes:
     replica_class: the class.
     params: parameter bytes (its padded blocks and replicated variables).
-    opt_state: optimizer state bytes (Adam moments follow their parameter).
+    opt_state: optimizer state bytes: replicated, the class state's (Adam
+      moments follow their parameter); zero1, a core device's piece of the
+      sharded state (the most any device of the class holds; devices past
+      the core slots hold none).
     temp: XLA's temporary buffers of the step (activations kept for the
-      backward pass, gradients, workspace); with several classes the larger
-      of the gradient and update programs.
+      backward pass, gradients, workspace); with several programs (several
+      classes, or zero1) the largest of theirs.
     batch: token bytes of the class's batch rows.
-    outputs: step outputs not written in place of a donated input.
+    outputs: step outputs not written in place of a donated input: the
+      largest of the programs'; zero1, the gradient buffers plus what the
+      sharded update gives back (the buffers are its argument, so both live
+      at once).
     flops: flops per device per step (None when not computed).
+    optimizer: how the optimizer state is held (``optimizer_label``).
+    extended_from: ``(a, b)``: ``temp`` and ``outputs`` extended linearly in depth from
+      the model at ``a`` and ``b`` layers (``extend_in_depth``); None: measured as is.
   """
 
   replica_class: ReplicaClass
@@ -53,6 +85,8 @@ class ClassFootprint:
   batch: int
   outputs: int
   flops: float | None = None
+  optimizer: str = "replicated"
+  extended_from: tuple[int, int] | None = None
 
   @property
   def grads(self) -> int:
@@ -64,6 +98,9 @@ class ClassFootprint:
   def peak(self) -> int:
     """Bytes a device needs: resident state, the batch, step temporaries and fresh outputs."""
     return self.params + self.opt_state + self.batch + self.temp + self.outputs
+
+
+INT32_MAX = 2 ** 31 - 1  # the longest array the split step's int32 index arithmetic reaches
 
 
 def device_bytes(tree: Any) -> int:
@@ -99,10 +136,122 @@ def abstract_program(plan: Plan, replica_class: ReplicaClass,
   return program, batch
 
 
+def optimizer_label(zero: ZeroSettings | None, replicas: int) -> str:
+  """``replicated``, or ``zero1 k=2 (2 pieces)``: the optimizer state's layout over
+  ``replicas`` live replicas.
+
+  Raises:
+    ValueError: more copies than replicas (``piece_count``).
+  """
+  if zero is None:
+    return "replicated"
+  pieces = piece_count(replicas, zero.copies)
+  return f"zero1 k={zero.copies} ({pieces} piece{'s' if pieces > 1 else ''})"
+
+
+def sync_buffer_lengths(plan: Plan, make_model: Callable[[Any], nnx.Module]) -> dict[str, int]:
+  """``dtype -> L``: elements of each flat sync buffer at one core position (every
+  parameter's ``SyncLeaf.block`` at ``t_min`` positions, near-equal runs, and the float32
+  buffer's loss element), the same for every class. Shapes only."""
+  t_min = min(c.degree for c in plan.classes)
+  c = plan.classes[0]
+  lengths = {LOSS_DTYPE: 1}
+  for leaf in sync_leaves(abstract_params(lambda: make_model(c.layouts)), c.degree, t_min):
+    lengths[leaf.dtype] = lengths.get(leaf.dtype, 0) + leaf.block
+  return lengths
+
+
+def sharded_optimizer(plan: Plan, devices: Sequence[jax.Device],
+                      zero: ZeroSettings) -> ShardedOptimizer:
+  """The ``ShardedOptimizer`` a run of ``plan`` uses, over meshes alone (no arrays).
+
+  Raises:
+    ValueError: more copies than live replicas.
+  """
+  meshes = [class_mesh(c.replicas, c.live_slots, plan.tp, devices) for c in plan.classes]
+  return ShardedOptimizer(CrossClassSync(meshes, min(c.degree for c in plan.classes)), zero)
+
+
+def zero_state_bytes(plan: Plan, make_model: Callable[[Any], nnx.Module],
+                     devices: Sequence[jax.Device], zero: ZeroSettings) -> int:
+  """Bytes one core device holds of the sharded optimizer state (pieces and step counts),
+  as ``ShardedOptimizer.start`` makes it; shapes only, nothing compiled.
+
+  Raises:
+    ValueError: more copies than live replicas.
+  """
+  blocks = {name: jax.ShapeDtypeStruct((1, 1, n), name)
+            for name, n in sync_buffer_lengths(plan, make_model).items()}
+  return device_bytes(sharded_optimizer(plan, devices, zero).abstract_state([blocks]))
+
+
+def piece_element_bytes(plan: Plan, make_model: Callable[[Any], nnx.Module],
+                        devices: Sequence[jax.Device], zero: ZeroSettings) -> dict[str, int]:
+  """``dtype -> bytes`` the sharded state keeps per element of that sync buffer's piece
+  (master weights, moments, decay mask), read from ``ShardedOptimizer.abstract_state``:
+  with ``sync_buffer_lengths`` it gives the state at any replica count."""
+  blocks = {name: jax.ShapeDtypeStruct((1, 1, n), name)
+            for name, n in sync_buffer_lengths(plan, make_model).items()}
+  state = sharded_optimizer(plan, devices, zero).abstract_state([blocks])
+  out = dict.fromkeys(blocks, 0)
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and k.key in out]
+    if x.ndim and names:
+      out[names[-1]] += np.dtype(x.dtype).itemsize
+  return out
+
+
+def shape_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
+                     optimizer: optax.GradientTransformation, seq_len: int,
+                     devices: Sequence[jax.Device], *, zero: ZeroSettings | None = None
+                     ) -> list[ClassFootprint]:
+  """What the shapes alone give of each class's footprint: parameters, optimizer state
+  (``zero``: a core device's piece of the sharded state) and batch; ``temp`` and
+  ``outputs`` 0, no flops. Nothing is traced but the model's and optimizer's shapes.
+
+  Raises:
+    ValueError: ``zero`` asks for more copies than live replicas.
+  """
+  state = None if zero is None else zero_state_bytes(plan, make_model, devices, zero)
+  out = []
+  for replica_class in plan.classes:
+    program, batch = abstract_program(plan, replica_class, make_model, optimizer, seq_len,
+                                      devices)
+    out.append(ClassFootprint(
+        replica_class=replica_class, params=device_bytes(program.params),
+        opt_state=device_bytes(program.opt_state) if state is None else state, temp=0,
+        batch=device_bytes(batch), outputs=0,
+        optimizer=optimizer_label(zero, len(plan.replicas))))
+  return out
+
+
+EXTENDED_WHY = ("at full depth the split step's programs index more than 2**31 - 1 "
+                "elements with int32 and cannot be built")
+
+
+def extend_in_depth(exact: Sequence[ClassFootprint], small: Sequence[ClassFootprint],
+                    large: Sequence[ClassFootprint], depths: tuple[int, int],
+                    n_layers: int) -> list[ClassFootprint]:
+  """``exact`` (``shape_footprints`` at ``n_layers``) with ``temp`` and ``outputs`` extended
+  linearly from the same plan's footprints at ``depths = (a, b)`` layers (``small``,
+  ``large``): ``x(n) = x(a) + (n - a) * (x(b) - x(a)) / (b - a)``. A scanned stack's
+  temporaries grow by the same bytes per layer; XLA's buffer assignment is not exactly
+  linear (docs/scale.md compares both where the full program compiles)."""
+  a, b = depths
+
+  def line(x: int, y: int) -> int:
+    return int(round(x + (n_layers - a) * (y - x) / (b - a)))
+
+  return [dataclasses.replace(f, temp=line(s.temp, t.temp), outputs=line(s.outputs, t.outputs),
+                              extended_from=depths)
+          for f, s, t in zip(exact, small, large, strict=True)]
+
+
 def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
                      optimizer: optax.GradientTransformation, clip_norm: float, seq_len: int,
                      devices: Sequence[jax.Device], loss: Callable[..., Any] = default_loss,
-                     unrolled: bool = False) -> list[ClassFootprint]:
+                     unrolled: bool = False, *, zero: ZeroSettings | None = None,
+                     compiled: dict | None = None) -> list[ClassFootprint]:
   """Compile every class's step for abstract arguments and measure one device of each.
 
   Args:
@@ -114,34 +263,94 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       placed there).
     unrolled: run micro-batches in a Python loop, not under ``lax.scan``, so
       that the flops count every one (pass with an unrolled model).
+    zero: the sharded optimizer (``train.optimizer_sharding=zero1``,
+      ``optim.zero_settings``); None: replicated. With it the classes run their
+      gradient halves and the sharded update (``ShardedOptimizer.lower``), and
+      ``opt_state`` is a core device's piece of the sharded state.
+    compiled: a memo of compiled programs, for several calls on the same model,
+      optimizer and ``seq_len`` (a gradient half is compiled once for every choice of
+      ``zero``); default: none kept.
 
   Returns:
     One ``ClassFootprint`` per class; ``flops`` is XLA's cost analysis of the
     program as compiled (a scanned loop body counted once: see
-    ``per_device_flops``).
+    ``per_device_flops``); with ``zero`` each class's flops include the sharded
+    update's (a core device's).
+
+  Raises:
+    ValueError: ``zero`` asks for more copies than live replicas.
+    OverflowError: a program indexes more than ``2**31 - 1`` elements with int32 (the
+      split step's sync blocks and the sharded optimizer's pieces of a model with more
+      elements than that per device: ``resources.measured_footprints`` extends from
+      fewer layers); with ``zero`` raised from the shapes, before compiling anything.
   """
+  memo = {} if compiled is None else compiled
   settings = StepSettings(optimizer, clip_norm, plan.global_batch * seq_len, loss)
   t_min = min(c.degree for c in plan.classes)
-  out = []
-  for replica_class in plan.classes:
+  split = len(plan.classes) > 1 or zero is not None
+  label = optimizer_label(zero, len(plan.replicas))
+  if zero is not None:  # known before compiling anything: the sharded update's bound
+    longest = max(sync_buffer_lengths(plan, make_model).values())
+    if longest > INT32_MAX:
+      raise OverflowError(f"a sync buffer of {longest:,} elements per core device: the "
+                          f"sharded optimizer indexes it with int32 (at most {INT32_MAX:,})")
+
+  def compile_once(key, jitted, *args):
+    key = (plan.classes, seq_len, unrolled) + key
+    if key not in memo:
+      memo[key] = jitted.lower(*args).compile()
+    return memo[key]
+
+  classes = []
+  for i, replica_class in enumerate(plan.classes):
     program, batch = abstract_program(plan, replica_class, make_model, optimizer, seq_len,
                                       devices)
     state = (program.graphdef, program.params, program.opt_state, program.mesh, settings)
     # Split halves with near-equal sync runs (regroups=None), not the job's regroup_plan.
     micro = dict(microbatches=replica_class.microbatches, scan_microbatches=not unrolled)
-    step = (FusedStep.build(*state, **micro) if len(plan.classes) == 1
-            else SplitStep.build(*state, t_min, **micro))
-    compiled = [lowered.compile() for lowered in step.lower(program.params, program.opt_state,
-                                                            batch)]
-    memory = [c.memory_analysis() for c in compiled]
-    params = device_bytes(program.params)
+    if not split:
+      step = FusedStep.build(*state, **micro)
+      programs = [compile_once((i, "fused"), step.step, program.params, program.opt_state,
+                               batch)]
+    else:
+      step = SplitStep.build(*state, t_min, **micro)
+      programs = [compile_once((i, "grad"), step.grad, program.params, batch)]
+      if zero is None:  # the replicated update half (zero1 runs the sharded update instead)
+        blocks = abstract_sync_blocks(step.grad, program.params, batch, program.mesh)
+        programs.append(compile_once((i, "update"), step.update, program.params,
+                                     program.opt_state, blocks))
+    classes.append((program, batch, step, programs))
+
+  update, opt_bytes = None, None
+  if zero is not None:
+    sharded = sharded_optimizer(plan, devices, zero)
+    blocks = [abstract_sync_blocks(step.grad, program.params, batch, program.mesh)
+              for program, batch, step, _ in classes]
+    # Keyed by what the memo's contract leaves open (the optimizer's settings are fixed).
+    key = (plan.classes, seq_len, unrolled, "zero", zero.copies, zero.clip_norm)
+    if key not in memo:
+      memo[key] = sharded.lower(blocks).compile()
+    update = memo[key]
+    opt_bytes = device_bytes(sharded.abstract_state(blocks))
+
+  out = []
+  for program, batch, _, programs in classes:
+    memory = [c.memory_analysis() for c in programs]
+    fresh = [int(m.output_size_in_bytes - m.alias_size_in_bytes) for m in memory]
+    flops = sum(flops_of(c) for c in programs)
+    if update is None:
+      temp, outputs, opt = (max(int(m.temp_size_in_bytes) for m in memory), max(fresh),
+                            device_bytes(program.opt_state))
+    else:
+      sharded_memory = update.memory_analysis()
+      temp = max(int(m.temp_size_in_bytes) for m in memory + [sharded_memory])
+      outputs = fresh[0] + int(sharded_memory.output_size_in_bytes
+                               - sharded_memory.alias_size_in_bytes)
+      opt, flops = opt_bytes, flops + flops_of(update)
     out.append(ClassFootprint(
-        replica_class=replica_class, params=params,
-        opt_state=device_bytes(program.opt_state),
-        temp=max(int(m.temp_size_in_bytes) for m in memory),
-        batch=device_bytes(batch),
-        outputs=max(int(m.output_size_in_bytes - m.alias_size_in_bytes) for m in memory),
-        flops=sum(flops_of(c) for c in compiled)))
+        replica_class=program.replica_class, params=device_bytes(program.params),
+        opt_state=opt, temp=temp, batch=device_bytes(batch), outputs=outputs, flops=flops,
+        optimizer=label))
   return out
 
 
@@ -231,7 +440,8 @@ def shortfall(footprints: Sequence[ClassFootprint], devices: Sequence[jax.Device
 
 
 def footprint_table(footprints: Sequence[ClassFootprint]) -> str:
-  """One row per class: per-device GiB of each part, peak, and TFLOP per step."""
+  """One row per class: per-device GiB of each part, peak, and TFLOP per step (the
+  title names a sharded optimizer state)."""
   header = ("class", "TP degree", "replicas", "params", "grads", "opt state", "temp",
             "peak", "TFLOP/step")
   rows = []
@@ -243,6 +453,12 @@ def footprint_table(footprints: Sequence[ClassFootprint]) -> str:
                                                  f.peak)), flops))
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
   fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-  lines = ["per device (GiB), one step:", fmt.format(*header)]
+  held = {f.optimizer for f in footprints} - {"replicated"}
+  title = "per device (GiB), one step"
+  if held:  # a sharded state: say so (a core device's piece is counted)
+    title += f" (optimizer state {', '.join(sorted(held))}, a core device's piece)"
+  lines = [f"{title}:", fmt.format(*header)]
   lines += [fmt.format(*r) for r in rows]
+  for a, b in sorted({f.extended_from for f in footprints} - {None}):
+    lines.append(f"temp and peak extended linearly from {a} and {b} layers: {EXTENDED_WHY}")
   return "\n".join(lines)

@@ -2,84 +2,349 @@
 
 ``train`` calls ``check_footprint`` after planning: with ``dry_run`` it
 prints the per-device memory and flops of every class's step
-(``training.footprint``) and stops; otherwise it does that work only when the
-resident state takes more than a quarter of what the devices hold, and
-stops with one line when the step cannot fit.
+(``training.footprint``), and with several replicas a comparison of the
+optimizer-state choices (``train.optimizer_sharding``, ``optimizer_copies``)
+healthy and with one failed slot (``optimizer_choices``), and stops;
+otherwise it does that work only when the resident state takes more than a
+quarter of what the devices hold, and stops with one line when the step
+cannot fit. Every figure counts the optimizer state as the configured choice
+keeps it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.model import ModelSpec
 from ntp_jax.parallel.plan import Plan
+from ntp_jax.parallel.zero import ZeroSettings, piece_count
 from ntp_jax.training.config import RunConfig
 from ntp_jax.training.footprint import (
+  EXTENDED_WHY,
   ClassFootprint,
   abstract_program,
   class_footprints,
   device_bytes,
+  device_capacity,
+  extend_in_depth,
   footprint_table,
+  optimizer_label,
   per_device_flops,
+  piece_element_bytes,
   resident_fraction,
+  shape_footprints,
   shortfall,
+  sync_buffer_lengths,
+  zero_state_bytes,
 )
+from ntp_jax.training.loop import plan_for
+from ntp_jax.training.optim import make_optimizer, zero_settings
+
+GIB = 2 ** 30
+# The comparison's device on a CPU host (or an accelerator that does not say): an 80 GB GPU.
+REFERENCE_DEVICE_BYTES = 80 * GIB
 
 
 class ResourceError(ConfigError):
   """The devices cannot hold the plan's step (one line saying what it needs)."""
 
 
-def resident_bytes(plan: Plan, make_model, optimizer, devices) -> list[int]:
-  """Per class, bytes one device holds of parameters and optimizer state (shapes only)."""
+def resident_bytes(plan: Plan, make_model, optimizer, devices, *,
+                   zero: ZeroSettings | None = None) -> list[int]:
+  """Per class, bytes one device holds of parameters and optimizer state (shapes only).
+
+  ``zero``: the sharded optimizer (``optim.zero_settings``); its state is counted for
+  a core device (the most any device holds). Default: replicated.
+
+  Raises:
+    ValueError: ``zero`` asks for more copies than live replicas.
+  """
   programs = [abstract_program(plan, c, make_model, optimizer, 1, devices)[0]
               for c in plan.classes]
-  return [device_bytes(p.params) + device_bytes(p.opt_state) for p in programs]
+  if zero is None:
+    return [device_bytes(p.params) + device_bytes(p.opt_state) for p in programs]
+  state = zero_state_bytes(plan, make_model, devices, zero)
+  return [device_bytes(p.params) + state for p in programs]
+
+
+def extension_depths(n_layers: int) -> list[tuple[int, int]]:
+  """The depth pairs ``(a, 2a)`` a model of ``n_layers`` may be measured at when its full
+  step cannot be built, deepest first: ``a = n / 4`` down to 2 (XLA's temporaries grow
+  linearly in depth past the first few layers, so the deepest pair that builds is the one
+  used; a pair that cannot be built fails before compiling)."""
+  return [(a, 2 * a) for a in range(n_layers // 4, 1, -1)]
+
+
+def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimizer, devices,
+                        zero: ZeroSettings | None, *, compiled: dict | None = None,
+                        extend: bool = False, depths: tuple[int, int] | None = None
+                        ) -> list[ClassFootprint]:
+  """``class_footprints`` of the model as configured (flops as compiled).
+
+  Where the step's programs cannot be built at full depth (``OverflowError``: more than
+  ``2**31 - 1`` elements of one per-device array indexed with int32), or with
+  ``extend``, parameters, optimizer state and batch come from the shapes at full depth
+  and ``temp`` and ``outputs`` are extended from two smaller depths
+  (``extension_depths``, ``model.layers``; ``footprint.extend_in_depth``).
+
+  Args:
+    zero: the sharded optimizer (None: replicated).
+    compiled: a memo shared with other calls on this config and model.
+    depths: extend from these two depths only (default: the deepest pair of
+      ``extension_depths`` whose programs can be built).
+
+  Raises:
+    ResourceError: the programs cannot be built and the model cannot be measured at
+      fewer layers (one line).
+  """
+  memo = {} if compiled is None else compiled
+  args = (optimizer, config.train.clip_norm, config.train.seq_len, devices)
+  if not extend:
+    try:
+      return class_footprints(plan, model.make, *args, loss=model.loss, zero=zero,
+                              compiled=memo.setdefault(("layers", model.n_layers), {}))
+    except OverflowError as err:
+      cause = " ".join(str(err).split())[:120]
+  else:
+    cause = "asked for"
+  pairs = [] if model.layers is None or model.n_layers is None else extension_depths(
+      model.n_layers)
+  if depths is not None:
+    pairs = [depths] if model.layers is not None else []
+  if not pairs:
+    raise ResourceError(f"the step's programs cannot be built for this model ({cause}) and "
+                        f"{model.name} cannot be measured at fewer layers")
+  for pair in pairs:  # the deepest pair whose programs can be built
+    try:
+      parts = []
+      for n in pair[::-1]:  # the deeper first: a pair that cannot be built fails at once
+        smaller = model.layers(n)
+        parts.insert(0, class_footprints(plan, smaller.make, *args, loss=smaller.loss,
+                                         zero=zero, compiled=memo.setdefault(("layers", n), {})))
+      break
+    except OverflowError as err:
+      cause = " ".join(str(err).split())[:120]
+  else:
+    raise ResourceError(f"the step's programs cannot be built for this model even at "
+                        f"{pairs[-1][0]} layers: {cause}")
+  exact = shape_footprints(plan, model.make, optimizer, config.train.seq_len, devices,
+                           zero=zero)
+  return extend_in_depth(exact, *parts, pair, model.n_layers)
 
 
 def footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer,
-              devices) -> list[ClassFootprint]:
-  """Per-device bytes and flops of every class's step (``footprint``), allocating nothing.
+              devices, *, compiled: dict | None = None) -> list[ClassFootprint]:
+  """Per-device bytes and flops of every class's step (``footprint``), allocating nothing,
+  with the optimizer state of ``config.train`` (``optimizer_sharding``, ``optimizer_copies``).
 
-  Memory is that of the model as configured (scanned, rematerialised).
-  Flops: with ``model.unrolled``, from the unrolled model at 2 and 3 layers,
-  extended to ``model.n_layers`` (XLA counts a loop body once); otherwise
-  the compiled program's own count.
+  Memory is that of the model as configured (scanned, rematerialised;
+  ``measured_footprints``). Flops: with ``model.unrolled``, from the unrolled model at
+  2 and 3 layers, extended to ``model.n_layers`` (XLA counts a loop body once);
+  otherwise the compiled program's own count. ``compiled``: a memo shared with other
+  calls on this config and model.
+
+  Raises:
+    ResourceError: the step cannot be built and cannot be measured at fewer layers.
   """
+  zero = zero_settings(config.train)
   args = (optimizer, config.train.clip_norm, config.train.seq_len, devices)
-  footprints = class_footprints(plan, model.make, *args, loss=model.loss)
+  footprints = measured_footprints(config, model, plan, optimizer, devices, zero,
+                                   compiled=compiled)
   if model.unrolled is None or model.n_layers is None:
     return footprints
 
   def flops_at(n_layers):
     small = model.unrolled(n_layers)
     return [f.flops for f in class_footprints(plan, small.make, *args, loss=small.loss,
-                                              unrolled=True)]
+                                              unrolled=True, zero=zero)]
 
   flops = per_device_flops(flops_at, model.n_layers)
   return [dataclasses.replace(f, flops=x) for f, x in zip(footprints, flops)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """One optimizer-state choice on one plan: its fullest device.
+
+  Attributes:
+    plan: ``healthy`` or ``1 failed slot``; degree: its smallest TP degree.
+    zero: the sharded optimizer (None: replicated).
+    optimizer: its label (``footprint.optimizer_label``).
+    worst: the class footprint with the largest peak (its device needs the most);
+      ``base`` is its peak less its optimizer state (bytes).
+    lengths, element_bytes: with ``zero``, the sync buffers' lengths and the state's bytes
+      per piece element of each (for ``smallest_dp``); else empty.
+    direct_peak: the peak measured at full depth when ``worst`` is instead that row's
+      extension from the depths another row needed (a check of the extension); else
+      None.
+  """
+
+  plan: str
+  degree: int
+  zero: ZeroSettings | None
+  optimizer: str
+  worst: ClassFootprint
+  lengths: dict[str, int]
+  element_bytes: dict[str, int]
+  direct_peak: int | None = None
+
+  @property
+  def base(self) -> int:
+    return self.worst.peak - self.worst.opt_state
+
+
+def _choices(config: RunConfig) -> list[ZeroSettings | None]:
+  """Replicated, zero1 with one copy, and with two when there are two replicas."""
+  out: list[ZeroSettings | None] = [None]
+  for copies in (1, 2)[:config.mesh.dp]:
+    out.append(zero_settings(dataclasses.replace(config.train, optimizer_sharding="zero1",
+                                                 optimizer_copies=copies)))
+  return out
+
+
+def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any], *,
+                      compiled: dict | None = None) -> list[Choice]:
+  """Per-device memory of each optimizer-state choice (replicated; zero1 with 1 copy, and
+  2 with two replicas or more) on ``config``'s mesh, healthy and with one failed slot
+  (replica 0's last; none with ``mesh.tp=1``). Abstract shapes only: each class's programs
+  compiled once for every choice (``class_footprints``; ``compiled`` shared with the
+  caller's own footprint of the configured plan). A choice whose step cannot be built at
+  full depth is extended from the deepest pair that builds (``measured_footprints``);
+  when one is, a choice measured at full depth is shown extended from the shallowest
+  pair used, its full-depth peak kept as a check (``Choice.direct_peak``).
+
+  Raises:
+    ValueError: a choice asks for more copies than live replicas.
+    ResourceError: a choice's step cannot be built nor extended.
+  """
+  memo = {} if compiled is None else compiled
+  failed = [("healthy", frozenset())]
+  if config.mesh.tp > 1:
+    failed.append(("1 failed slot", frozenset({(0, config.mesh.tp - 1)})))
+  optimizer = make_optimizer(config.train)  # the replicated class state's (masked AdamW)
+  cases = [(name, plan_for(config, model, slots), zero)
+           for name, slots in failed for zero in _choices(config)]
+
+  worst = [max(measured_footprints(config, model, plan, optimizer, devices, zero,
+                                   compiled=memo), key=lambda f: f.peak)
+           for _, plan, zero in cases]
+  direct = [None] * len(cases)
+  pairs = {f.extended_from for f in worst} - {None}
+  if pairs:  # a row measured at full depth is checked against its own extension
+    for i, ((_, plan, zero), f) in enumerate(zip(cases, worst)):
+      if f.extended_from is None:
+        direct[i] = f.peak
+        worst[i] = max(measured_footprints(config, model, plan, optimizer, devices, zero,
+                                           compiled=memo, extend=True, depths=min(pairs)),
+                       key=lambda f: f.peak)
+  out = []
+  for (name, plan, zero), f, peak in zip(cases, worst, direct):
+    lengths, element = {}, {}
+    if zero is not None:
+      lengths = sync_buffer_lengths(plan, model.make)
+      element = piece_element_bytes(plan, model.make, devices, zero)
+    out.append(Choice(name, plan.t_min, zero, optimizer_label(zero, len(plan.replicas)), f,
+                      lengths, element, peak))
+  return out
+
+
+def choice_state_bytes(choice: Choice, replicas: int) -> int:
+  """A core device's sharded state for ``choice`` (zero1) with ``replicas`` live replicas:
+  ``ceil(L / pieces)`` elements of each buffer times the state's bytes per element."""
+  pieces = piece_count(replicas, choice.zero.copies)
+  return sum(-(-n // pieces) * choice.element_bytes[name] for name, n in choice.lengths.items())
+
+
+def smallest_dp(choice: Choice, capacity: int, limit: int = 4096) -> int | None:
+  """The fewest replicas at which ``choice`` (zero1) fits ``capacity`` bytes per device,
+  each replica keeping its batch share and micro-batches, with the temporaries and
+  outputs measured on this mesh (the update's piece-sized temporaries only shrink with
+  more replicas: an upper bound); None when none up to ``limit`` does."""
+  for replicas in range(choice.zero.copies, limit + 1):
+    if choice.base + choice_state_bytes(choice, replicas) <= capacity:
+      return replicas
+  return None
+
+
+def comparison_capacity(devices: Sequence[Any]) -> tuple[int, str]:
+  """Bytes per device the comparison is held against, and what they are: an accelerator's
+  ``bytes_limit``; on CPU (or when unknown) an 80 GB GPU's 80 GiB."""
+  if devices[0].platform != "cpu":
+    capacity = device_capacity(devices[0])
+    if capacity is not None:
+      return capacity, f"{devices[0].device_kind}"
+  return REFERENCE_DEVICE_BYTES, "an 80 GB GPU"
+
+
+def comparison_table(choices: Sequence[Choice], capacity: int, device: str, tp: int,
+                     dp: int) -> str:
+  """The choices as one table (per-device GiB of the fullest device of each plan), which
+  fits ``capacity`` at each TP degree, and, when no zero1 choice fits, the smallest DP
+  at which one would."""
+  header = ("plan", "fullest device's TP degree", "optimizer", "params", "grads", "opt state",
+            "temp", "peak", f"fits {capacity / GIB:.0f} GiB", "temp from")
+  rows = []
+  for c in choices:
+    f = c.worst
+    rows.append((f"{c.plan} (TP {c.degree})" if c.plan != "healthy" else c.plan,
+                 str(f.replica_class.degree), c.optimizer,
+                 *(f"{b / GIB:.3f}" for b in (f.params, f.grads, f.opt_state, f.temp, f.peak)),
+                 "yes" if f.peak <= capacity else "no",
+                 "layers {}, {}".format(*f.extended_from) if f.extended_from else "compiled"))
+  widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+  fmt = "  ".join(f"{{:<{w}}}" if i < 3 else f"{{:>{w}}}" for i, w in enumerate(widths))
+  lines = [f"optimizer state choices on {dp} x {tp}, per device (GiB, the fullest device of "
+           f"each plan; zero1: a core device) against {capacity / GIB:.0f} GiB ({device}):",
+           fmt.format(*header)] + [fmt.format(*r) for r in rows]
+  if any(c.worst.extended_from for c in choices):
+    lines.append("temp from layers a, b: temp and outputs extended linearly to full depth "
+                 f"from the model at a and b layers ({EXTENDED_WHY})")
+  for c in choices:
+    if c.direct_peak is not None:
+      lines.append(f"check: {c.plan}, {c.optimizer} compiled at full depth peaks at "
+                   f"{c.direct_peak / GIB:.3f} GiB, {c.worst.peak / GIB:.3f} extended")
+  for plan in dict.fromkeys(c.plan for c in choices):
+    mine = [c for c in choices if c.plan == plan]
+    fitting = [c.optimizer for c in mine if c.worst.peak <= capacity]
+    lines.append(f"fits {capacity / GIB:.0f} GiB per device, {plan} (TP degree {mine[0].degree}): "
+                 + (", ".join(fitting) if fitting else "none"))
+    sharded = [c for c in mine if c.zero is not None]
+    if sharded and not any(c.worst.peak <= capacity for c in sharded):
+      best = min(sharded, key=lambda c: c.zero.copies)
+      dp_fit = smallest_dp(best, capacity)
+      lines.append(
+          f"  zero1 k={best.zero.copies} fits from DP {dp_fit} (same batch share per replica)"
+          if dp_fit is not None else
+          f"  zero1 at no DP: without any optimizer state the device needs "
+          f"{best.base / GIB:.1f} GiB (params, batch, temp, outputs)")
+  return "\n".join(lines)
+
+
 def check_footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer, devices,
-                    log) -> list[ClassFootprint] | None:
+                    log: Callable[[str], None]) -> list[ClassFootprint] | None:
   """The memory and compute plan, before anything is allocated.
 
-  With ``dry_run`` it is printed and returned. Otherwise it is worked out
-  only when the resident state (parameters and optimizer state, from shapes)
-  takes more than a quarter of what the devices hold; then, if the step
-  cannot fit, it is printed and the run stops.
+  With ``dry_run`` it is printed and returned (with several replicas, followed by
+  ``optimizer_choices`` as one table). Otherwise it is worked out only when the
+  resident state (parameters and optimizer state, from shapes) takes more than a
+  quarter of what the devices hold; then, if the step cannot fit, it is printed and the
+  run stops. The optimizer state is the configured choice's (``train.optimizer_sharding``).
 
   Raises:
     ResourceError: the devices cannot hold the step; the line says what it
       needs and what there is.
   """
   dry_run = config.dry_run
-  resident = resident_bytes(plan, model.make, optimizer, devices)
+  zero = zero_settings(config.train)
+  resident = resident_bytes(plan, model.make, optimizer, devices, zero=zero)
   fraction = resident_fraction(plan, resident, devices)
   if not dry_run and (fraction is None or fraction <= 0.25):
     return None
-  footprints = footprint(config, model, plan, optimizer, devices)
+  compiled: dict = {}
+  footprints = footprint(config, model, plan, optimizer, devices, compiled=compiled)
   tokens = plan.global_batch * config.train.seq_len
   log(plan.describe())
   log(footprint_table(footprints))
@@ -87,6 +352,10 @@ def check_footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer, 
       f"(6 x parameters): {6 * model.param_count:.3e}")
   problem = shortfall(footprints, devices)
   if dry_run:
+    if config.mesh.dp > 1:
+      capacity, device = comparison_capacity(devices)
+      log(comparison_table(optimizer_choices(config, model, devices, compiled=compiled),
+                           capacity, device, config.mesh.tp, config.mesh.dp))
     log(f"dry run: {problem or 'the devices can hold this plan'}")
     return footprints
   if problem:

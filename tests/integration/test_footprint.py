@@ -9,10 +9,12 @@ import sys
 import time
 
 import jax
+import numpy as np
 import pytest
 from helpers import ROOT, process_env, tiny_config
 
 import configs.gpt_8b
+import configs.gpt_70b
 from models.gpt import GPTConfig, count_params, gpt_spec
 from ntp_jax.training.config import RunConfig, parse_failed
 from ntp_jax.training.footprint import (
@@ -132,6 +134,15 @@ def test_dry_run_allocates_nothing_and_reports_every_class(tmp_path):
   assert [f.replica_class.degree for f in footprints] == [4, 3]
   assert all(f.temp > 0 and f.flops > 0 for f in footprints)
   assert "dry run: the devices can hold this plan" in logged
+  # With two replicas, one table of the optimizer-state choices, healthy and degraded.
+  table = next(line for line in logged if line.startswith("optimizer state choices on 2 x 4"))
+  rows = table.splitlines()[2:8]
+  assert [r.split()[0] for r in rows] == ["healthy"] * 3 + ["1"] * 3
+  for row, label in zip(rows, ["replicated", "zero1 k=1 (2 pieces)", "zero1 k=2 (1 piece)"] * 2):
+    assert f"  {label}  " in row, row
+  assert "fits 80 GiB per device, healthy (TP degree 4): replicated, zero1 k=1 (2 pieces), " \
+         "zero1 k=2 (1 piece)" in table
+  assert "1 failed slot (TP degree 3)" in table
 
 
 def test_full_remat_keeps_less_and_recomputes_more(tmp_path):
@@ -161,3 +172,121 @@ def test_flops_extended_from_two_layers_equal_the_unrolled_model(tmp_path):
   # XLA fuses a few elementwise ops differently from one depth to the next (~1e-7).
   assert extended == pytest.approx(measured, rel=1e-6)
   assert scanned < measured  # the loop body counted once: why the extension is needed
+
+
+def _tiny_leaf_sizes(cfg) -> list[int]:
+  """Logical elements of every parameter of gpt_tiny's GPT, counted from its config:
+  each block parameter stacked over the layers, then the tables and the final norm."""
+  d, layers, ff, v = cfg.d_model, cfg.n_layers, cfg.d_ff, cfg.vocab_size
+  q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+  per_layer = [d * q, d * kv, d * kv, q * d, d, d * ff, d * ff, ff * d, d]
+  return [layers * n for n in per_layer] + [v * d, d * v, d]
+
+
+def test_zero1_optimizer_bytes_match_the_hand_count(tmp_path):
+  """gpt_tiny (float32) on 2 x 4: a core device keeps ceil(L / P) elements of the one
+  float32 sync buffer four times (master weights, two moments, decay mask), L being every
+  parameter's run at t_min = 4 positions plus the loss element; and two int32 step counts."""
+  from ntp_jax.parallel.zero import piece_count, state_bytes
+  from ntp_jax.training.footprint import sync_buffer_lengths, zero_state_bytes
+  from ntp_jax.training.optim import zero_settings
+  from ntp_jax.training.resources import resident_bytes
+  config = tiny_config(tmp_path, **{"mesh.dp": 2, "mesh.tp": 4,
+                                    "train.optimizer_sharding": "zero1"})
+  cfg = GPTConfig.from_config(config.model)
+  sizes = _tiny_leaf_sizes(cfg)
+  assert sum(sizes) == count_params(cfg)
+  run = RunConfig.from_config(config)
+  optimizer, zero = make_optimizer(run.train), zero_settings(run.train)
+  for failed, t_min in (("", 4), ("1:2", 3)):
+    plan = plan_of(config, gpt_spec(cfg, 0), failed)
+    length = sum(-(-n // t_min) for n in sizes) + 1  # each parameter's longest run, the loss
+    assert sync_buffer_lengths(plan, gpt_spec(cfg, 0).make) == {"float32": length}
+    pieces = piece_count(2, 1)
+    assert pieces == 2
+    hand = -(-length // pieces) * 16 + 2 * 4
+    assert zero_state_bytes(plan, gpt_spec(cfg, 0).make, jax.devices(), zero) == hand
+    assert state_bytes({"float32": length}, 2, 1) == hand - 8  # the same pieces, no counts
+    # About a quarter of the logical parameters' 16 bytes each: 2 pieces of 1/t_min.
+    assert hand == pytest.approx(count_params(cfg) / t_min / pieces * 16, rel=0.01)
+    # Two copies: every replica holds the whole buffer's state.
+    two = dataclasses.replace(zero, copies=2)
+    assert zero_state_bytes(plan, gpt_spec(cfg, 0).make, jax.devices(), two) == length * 16 + 8
+    footprints = class_footprints(plan, gpt_spec(cfg, 0).make, optimizer, 1.0,
+                                  config.train.seq_len, jax.devices(), zero=zero)
+    assert [f.opt_state for f in footprints] == [hand] * len(plan.classes)
+    assert all(f.optimizer == "zero1 k=1 (2 pieces)" for f in footprints)
+    # The gradient buffers and the gathered parameters live at once in the update.
+    assert all(f.outputs >= 2 * length * 4 and f.temp > 0 for f in footprints)
+    assert resident_bytes(plan, gpt_spec(cfg, 0).make, optimizer, jax.devices(), zero=zero) == [
+        f.params + hand for f in footprints]
+    replicated = class_footprints(plan, gpt_spec(cfg, 0).make, optimizer, 1.0,
+                                  config.train.seq_len, jax.devices())
+    assert [f.params for f in replicated] == [f.params for f in footprints]
+    assert all(f.opt_state == 2 * f.params + 8 for f in replicated)  # Adam: mu, nu, a count
+
+
+def test_the_sharded_update_lowers_for_abstract_buffers(tmp_path):
+  """``ShardedOptimizer.lower``: its compiled arguments are one core device's gradient
+  buffer and sharded state, as ``abstract_state`` says."""
+  from ntp_jax.parallel.steps import SplitStep, StepSettings, abstract_sync_blocks
+  from ntp_jax.training.footprint import sharded_optimizer
+  from ntp_jax.training.optim import zero_settings
+  config = tiny_config(tmp_path, **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2",
+                                    "train.optimizer_sharding": "zero1"})
+  cfg = GPTConfig.from_config(config.model)
+  plan = plan_of(config, gpt_spec(cfg, 0), "1:2")
+  run = RunConfig.from_config(config)
+  optimizer = make_optimizer(run.train)
+  settings = StepSettings(optimizer, 1.0, plan.global_batch * config.train.seq_len)
+  blocks = []
+  for c in plan.classes:
+    program, batch = abstract_program(plan, c, gpt_spec(cfg, 0).make, optimizer,
+                                      config.train.seq_len, jax.devices())
+    step = SplitStep.build(program.graphdef, program.params, program.opt_state, program.mesh,
+                           settings, plan.t_min)
+    blocks.append(abstract_sync_blocks(step.grad, program.params, batch, program.mesh))
+  sharded = sharded_optimizer(plan, jax.devices(), zero_settings(run.train))
+  with pytest.raises(ValueError, match="no class's sync buffers"):
+    sharded.lower([])
+  state = sharded.abstract_state(blocks)
+  compiled = sharded.lower(blocks).compile()
+  length = blocks[0]["float32"].shape[-1]
+  assert compiled.memory_analysis().argument_size_in_bytes == length * 4 + device_bytes(state)
+  assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {np.dtype("float32")}
+
+
+def test_a_step_past_int32_indexing_is_refused_before_compiling(tmp_path):
+  """gpt_70b on 2 x 4: its sync buffer holds more elements per core device than int32
+  indexing reaches; zero1's footprint says so from shapes alone, and the memory plan
+  extends from fewer layers (``resources.extension_depths``)."""
+  from ntp_jax.training.footprint import INT32_MAX, sync_buffer_lengths
+  from ntp_jax.training.optim import zero_settings
+  from ntp_jax.training.resources import extension_depths
+  config = configs.gpt_70b.get_config()
+  config.mesh.dp, config.mesh.tp = 2, 4
+  config.train.batch_size = 8
+  run = RunConfig.from_config(config)
+  cfg = GPTConfig.from_config(config.model)
+  plan = plan_of(config, gpt_spec(cfg, 0), "")
+  assert max(sync_buffer_lengths(plan, gpt_spec(cfg, 0).make).values()) > INT32_MAX
+  started = time.monotonic()
+  with pytest.raises(OverflowError, match="sharded optimizer indexes it with int32"):
+    class_footprints(plan, gpt_spec(cfg, 0).make, make_optimizer(run.train), 1.0,
+                     config.train.seq_len, jax.devices(), zero=zero_settings(run.train))
+  assert time.monotonic() - started < 30  # shapes only: nothing compiled
+  assert extension_depths(80)[:2] == [(20, 40), (19, 38)] and extension_depths(80)[-1] == (2, 4)
+  assert extension_depths(7) == []
+
+
+def test_extension_in_depth_is_linear_in_temp_and_outputs():
+  from ntp_jax.training.footprint import ClassFootprint, extend_in_depth
+  plan = plan_of(configs.gpt_8b.get_config(), gpt_spec(
+      GPTConfig.from_config(configs.gpt_8b.get_config().model), 0), "")
+
+  def at(temp, outputs):
+    return ClassFootprint(plan.classes[0], params=7, opt_state=5, temp=temp, batch=1,
+                          outputs=outputs)
+
+  [f] = extend_in_depth([at(0, 0)], [at(10, 4)], [at(18, 6)], (4, 8), 20)
+  assert (f.temp, f.outputs, f.params, f.opt_state, f.extended_from) == (42, 12, 7, 5, (4, 8))
