@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,7 +28,7 @@ from ntp_jax.parallel.programs import (
   covering_classes,
 )
 from ntp_jax.parallel.sync import synced_loss
-from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer
+from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer, decay_runs
 from ntp_jax.sharding.topology import holds_mine
 
 
@@ -75,8 +76,10 @@ class JobStep:
       self.sync_key, self.sync = cached_sync(self.cache, meshes, t_min)
     self.zero = self.zero_key = self.zero_state = None
     if zero is not None:
-      self.zero_key, self.zero = cached_sharded_optimizer(self.cache, self.sync_key, self.sync,
-                                                          zero)
+      first = self.first_local
+      decays = [bool(v.get_value()) for _, v in nnx.to_flat_state(zero.decay_mask(first.params))]
+      self.zero_key, self.zero = cached_sharded_optimizer(
+          self.cache, self.sync_key, self.sync, zero, decay_runs(first.step.leaves, decays))
       # What the class layout's state looks like, to give it back (checkpoints, live peers).
       self.opt_shapes = [jax.tree.map(_abstract, p.opt_state) for p in programs]
       self.zero_state = self.zero.start(programs)

@@ -278,6 +278,7 @@ class SplitStep:
       (``zero.ShardedOptimizer`` keeps its state so).
     unpack: jitted ``(buffers, params) -> tree``: the inverse, ``params`` giving the
       layout (read for shapes only, and donated: the result takes its buffers).
+    leaves: the class's ``sync_leaf.sync_leaves``, in the order the buffers hold them.
   """
 
   grad: Callable[..., Any]
@@ -286,6 +287,7 @@ class SplitStep:
   mesh: Mesh
   pack: Callable[..., Any]
   unpack: Callable[..., Any]
+  leaves: tuple
 
   @classmethod
   def build(cls, graphdef: nnx.GraphDef, params: Any, opt_state: Any, mesh: Mesh,
@@ -342,7 +344,8 @@ class SplitStep:
     return cls(grad=grad_fn, update=update_fn,
                evaluate=jax.jit(make_eval_loss(graphdef, params, mesh, settings.loss)),
                mesh=mesh, pack=jax.jit(pack), unpack=jax.jit(restore, out_shardings=shardings,
-                                                              donate_argnums=(1,)))
+                                                              donate_argnums=(1,)),
+               leaves=leaves)
 
   def apply(self, params, opt_state, inputs):
     return self.update(params, opt_state, inputs)

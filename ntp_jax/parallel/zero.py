@@ -7,7 +7,8 @@ element at exactly one position ``j``. The replicas of peer group ``j`` split
 that buffer into ``P`` pieces (``piece_count``); replica ``r`` holds piece
 ``r % P``, so each piece is held by ``R / P >= copies`` replicas. Per piece a
 device keeps float32 master weights, the optimizer's state (Adam's moments
-follow the master weights: float32) and the weight-decay mask; devices past
+follow the master weights: float32); which elements decay is a static
+property of the layout (``decay_runs``), computed in the program; devices past
 the core slots keep none.
 
 One step (``ShardedOptimizer.step``), one program over a
@@ -17,7 +18,7 @@ One step (``ShardedOptimizer.step``), one program over a
    all-reduce of the piece over ``'copy'`` (nothing with one copy);
 2. clipping by the global norm of the pieces (each logical element once),
    and the optimizer's update of the piece (the trainer's AdamW without its
-   decay mask, the mask applied per element);
+   decay mask, the decayed elements' runs applied in the program);
 3. all-gather of the updated master weights over ``'piece'``, in the
    parameters' dtype; each class unpacks them into its blocks
    (``steps.SplitStep.unpack``).
@@ -77,7 +78,7 @@ class ZeroSettings:
 
   Attributes:
     optimizer: the update rule applied to each flat piece (the trainer's AdamW
-      with no decay mask: ``decay_mask`` is applied per element instead).
+      with no decay mask: the decayed elements are the ``decay_runs`` instead).
     decay_mask: ``params -> tree of bool`` (``True``: the parameter decays), the
       mask the replicated optimizer uses.
     clip_norm: clip the global gradient norm to this (0: off).
@@ -90,18 +91,43 @@ class ZeroSettings:
   copies: int = 1
 
 
+DecayRuns = tuple[tuple[str, tuple[tuple[int, int], ...]], ...]
+
+
+def decay_runs(leaves: Sequence[Any], decays: Sequence[bool]) -> DecayRuns:
+  """Where the decayed parameters lie in each flat sync buffer: ``dtype -> ((start, stop),
+  ...)``, adjacent runs merged (the same at every core position: every parameter's
+  ``SyncLeaf.block`` is).
+
+  Args:
+    leaves: a class's ``sync_leaf.sync_leaves`` (the order ``sync.pack_buffers`` packs).
+    decays: per leaf, whether its parameter decays (``ZeroSettings.decay_mask``).
+  """
+  runs: dict[str, list[list[int]]] = {}
+  offsets: dict[str, int] = {}
+  for leaf, decayed in zip(leaves, decays, strict=True):
+    start = offsets.get(leaf.dtype, 0)
+    offsets[leaf.dtype] = start + leaf.block
+    if not decayed or not leaf.block:
+      continue
+    mine_runs = runs.setdefault(leaf.dtype, [])
+    if mine_runs and mine_runs[-1][1] == start:
+      mine_runs[-1][1] = start + leaf.block
+    else:
+      mine_runs.append([start, start + leaf.block])
+  return tuple(sorted((name, tuple(map(tuple, r))) for name, r in runs.items()))
+
+
 def state_bytes(buffer_lengths: dict[str, int], replicas: int, copies: int) -> int:
-  """Bytes one core device holds of the sharded state (master weights, two Adam moments,
-  the decay mask), for sync buffers of ``buffer_lengths`` (dtype name -> ``L``).
+  """Bytes one core device holds of the sharded state (float32 master weights and two
+  float32 Adam moments; the two int32 step counts left out), for sync buffers of
+  ``buffer_lengths`` (dtype name -> ``L``).
 
   Devices past the core slots hold none. For the memory plan.
   """
   pieces = piece_count(replicas, copies)
-  total = 0
-  for name, length in buffer_lengths.items():
-    n = -(-length // pieces)
-    total += n * (3 * np.dtype(MASTER_DTYPE).itemsize + np.dtype(name).itemsize)
-  return total
+  item = np.dtype(MASTER_DTYPE).itemsize
+  return sum(-(-length // pieces) * 3 * item for length in buffer_lengths.values())
 
 
 def _lead(x):
@@ -123,13 +149,14 @@ class ShardedOptimizer:
   Args:
     sync: the plan's ``sync.CrossClassSync`` (its core devices and their assembly).
     settings: a ``ZeroSettings``.
+    runs: where the decayed parameters lie in the buffers (``decay_runs``).
 
   Raises:
     ValueError: more copies than live replicas.
   """
 
-  def __init__(self, sync: CrossClassSync, settings: ZeroSettings):
-    self.sync, self.settings = sync, settings
+  def __init__(self, sync: CrossClassSync, settings: ZeroSettings, runs: DecayRuns):
+    self.sync, self.settings, self.runs = sync, settings, dict(runs)
     replicas, t_min = sync.mesh.devices.shape
     self.pieces = piece_count(replicas, settings.copies)
     grid = sync.mesh.devices.reshape(replicas // self.pieces, self.pieces, t_min)
@@ -139,8 +166,7 @@ class ShardedOptimizer:
     self._scatter = jax.jit(self._scatter_fn)
     self._gather = jax.jit(self._gather_fn, static_argnames=("lengths",))
     self._start = jax.jit(self._start_fn)
-    self._decay_tree = jax.jit(lambda params: jax.tree.map(
-        lambda m, x: jnp.full_like(x, m), settings.decay_mask(params), params))
+    self._zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
   # -- the programs ---------------------------------------------------------------------------
 
@@ -173,11 +199,11 @@ class ShardedOptimizer:
 
     return self._map(body, (PIECE_SPEC,), PIECE_SPEC, pieces)
 
-  def _start_fn(self, params: dict, decay: dict, mu: dict, nu: dict, count: jax.Array) -> dict:
+  def _start_fn(self, params: dict, mu: dict, nu: dict, count: jax.Array) -> dict:
     """The sharded state from the class layout's (already packed and cut into pieces)."""
     opt = self.settings.optimizer.init(params)
     opt = tree_utils.tree_set(opt, mu=mu, nu=nu, count=count)
-    return {"master": params, "decay": decay, "opt": opt}
+    return {"master": params, "opt": opt}
 
   def _update_fn(self, grads: dict, state: dict) -> tuple[dict, dict, dict]:
     settings, pieces = self.settings, self.pieces
@@ -185,7 +211,7 @@ class ShardedOptimizer:
     def body(local, state):
       state = jax.tree.map(_unlead, state)
       piece = jax.lax.axis_index(PIECE)
-      g, lengths = {}, {}
+      g, lengths, decays = {}, {}, {}
       for name, x in local.items():  # x: [1, 1, L], this replica's gradient at this position
         lengths[name] = length = x.shape[-1]
         n = -(-length // pieces)
@@ -194,7 +220,10 @@ class ShardedOptimizer:
         summed = jax.lax.psum(summed, COPY).astype(MASTER_DTYPE)
         # The float32 buffer ends with the replica's loss: no parameter of its own.
         data = length - 1 if name == LOSS_DTYPE else length
-        g[name] = jnp.where(piece * n + jnp.arange(n) < data, summed, 0)
+        index = piece * n + jnp.arange(n)
+        g[name] = jnp.where(index < data, summed, 0)
+        decays[name] = sum(((index >= a) & (index < b) for a, b in self.runs.get(name, ())),
+                           start=jnp.zeros((n,), bool)).astype(MASTER_DTYPE)
       loss = jax.lax.psum(local[LOSS_DTYPE][0, 0, -1], (COPY, PIECE))
       squares = sum(jnp.sum(jnp.square(v)) for v in g.values())
       norm = jnp.sqrt(jax.lax.psum(squares, (PIECE, PEER)))
@@ -202,13 +231,13 @@ class ShardedOptimizer:
         scale = jnp.where(norm > settings.clip_norm, settings.clip_norm / norm, 1.0)
         g = {name: v * scale for name, v in g.items()}
       master = state["master"]
-      decayed = {name: master[name] * state["decay"][name] for name in master}
+      decayed = {name: master[name] * decays[name] for name in master}
       updates, opt = settings.optimizer.update(g, state["opt"], decayed)
       master = optax.apply_updates(master, updates)
       full = {name: _lead(jax.lax.all_gather(master[name].astype(name), PIECE, axis=0,
                                              tiled=True)[:lengths[name]])
               for name in master}
-      new_state = jax.tree.map(_lead, {"master": master, "decay": state["decay"], "opt": opt})
+      new_state = jax.tree.map(_lead, {"master": master, "opt": opt})
       return full, new_state, {"loss": loss[None, None], "grad_norm": norm[None, None]}
 
     specs = _specs(state)
@@ -242,7 +271,7 @@ class ShardedOptimizer:
                                           self.sharding))
 
     state = self._start(
-        packed(lambda p: p.params), packed(lambda p: self._decay_tree(p.params)),
+        packed(lambda p: p.params),
         packed(lambda p: tree_utils.tree_get(p.opt_state, "mu")),
         packed(lambda p: tree_utils.tree_get(p.opt_state, "nu")),
         jax.device_put(count, NamedSharding(self.mesh, P())))
@@ -285,7 +314,7 @@ class ShardedOptimizer:
     def unpacked(moment):
       full = self._gather(tree_utils.tree_get(opt, moment), lengths=lengths)
       buffers = self.sync.unstack(templates, full)
-      return [p.step.unpack(b, p.params) if here else None
+      return [p.step.unpack(b, self._zeros_like(p.params)) if here else None
               for p, b, here in zip(programs, buffers, local)]
 
     out = []
@@ -326,7 +355,7 @@ class ShardedOptimizer:
     """The state ``start`` makes, as ``jax.ShapeDtypeStruct``s over ``self.mesh`` (nothing
     allocated or traced but the optimizer's ``init``): each piece ``[live replicas, t_min,
     ceil(L / pieces)]`` in ``self.sharding`` and ``MASTER_DTYPE`` (``start`` casts every
-    piece, the decay mask's too), the step counts replicated int32 scalars.
+    piece), the step counts replicated int32 scalars.
 
     Args:
       class_blocks: each class's sync buffers (``steps.abstract_sync_blocks``:
@@ -342,7 +371,7 @@ class ShardedOptimizer:
                                          MASTER_DTYPE, sharding=self.sharding)
               for name, x in class_blocks[0].items()}
     count = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.mesh, P()))
-    state = jax.eval_shape(self._start_fn, pieces, pieces, pieces, pieces, count)
+    state = jax.eval_shape(self._start_fn, pieces, pieces, pieces, count)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=self.sharding if x.ndim else NamedSharding(self.mesh, P())),
         state)
@@ -369,8 +398,9 @@ class ShardedOptimizer:
 
 
 def cached_sharded_optimizer(cache, sync_key, sync: CrossClassSync, settings: ZeroSettings,
-                             *, record: bool = True) -> tuple[Any, ShardedOptimizer]:
+                             runs: DecayRuns, *, record: bool = True
+                             ) -> tuple[Any, ShardedOptimizer]:
   """``(key, optimizer)``: the ``ShardedOptimizer`` over ``sync``'s devices from ``cache``."""
-  key = ("zero", sync_key, settings)
+  key = ("zero", sync_key, settings, runs)
   return key, cache.get(key, "sharded optimizer",
-                        functools.partial(ShardedOptimizer, sync, settings), record=record)
+                        functools.partial(ShardedOptimizer, sync, settings, runs), record=record)

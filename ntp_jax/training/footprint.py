@@ -13,8 +13,8 @@ layers).
 The optimizer state is counted as the run keeps it: replicated (the class
 state's moments, on every replica), or with
 ``train.optimizer_sharding=zero1`` (a ``zero.ZeroSettings``) the sharded
-state a core device holds (float32 master weights, Adam moments and decay
-mask, one piece of each sync buffer: ``ShardedOptimizer.abstract_state``);
+state a core device holds (float32 master weights and Adam moments, one
+piece of each sync buffer: ``ShardedOptimizer.abstract_state``);
 its temporaries and outputs are then those of the programs zero1 runs, each
 class's gradient half (``SplitStep.grad``) and the sharded update
 (``ShardedOptimizer.lower``).
@@ -169,7 +169,9 @@ def sharded_optimizer(plan: Plan, devices: Sequence[jax.Device],
     ValueError: more copies than live replicas.
   """
   meshes = [class_mesh(c.replicas, c.live_slots, plan.tp, devices) for c in plan.classes]
-  return ShardedOptimizer(CrossClassSync(meshes, min(c.degree for c in plan.classes)), zero)
+  # Which elements decay changes no buffer (the program computes it from static runs).
+  return ShardedOptimizer(CrossClassSync(meshes, min(c.degree for c in plan.classes)), zero,
+                          runs=())
 
 
 def zero_state_bytes(plan: Plan, make_model: Callable[[Any], nnx.Module],
@@ -188,7 +190,7 @@ def zero_state_bytes(plan: Plan, make_model: Callable[[Any], nnx.Module],
 def piece_element_bytes(plan: Plan, make_model: Callable[[Any], nnx.Module],
                         devices: Sequence[jax.Device], zero: ZeroSettings) -> dict[str, int]:
   """``dtype -> bytes`` the sharded state keeps per element of that sync buffer's piece
-  (master weights, moments, decay mask), read from ``ShardedOptimizer.abstract_state``:
+  (master weights, moments), read from ``ShardedOptimizer.abstract_state``:
   with ``sync_buffer_lengths`` it gives the state at any replica count."""
   blocks = {name: jax.ShapeDtypeStruct((1, 1, n), name)
             for name, n in sync_buffer_lengths(plan, make_model).items()}

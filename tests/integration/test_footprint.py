@@ -185,7 +185,7 @@ def _tiny_leaf_sizes(cfg) -> list[int]:
 
 def test_zero1_optimizer_bytes_match_the_hand_count(tmp_path):
   """gpt_tiny (float32) on 2 x 4: a core device keeps ceil(L / P) elements of the one
-  float32 sync buffer four times (master weights, two moments, decay mask), L being every
+  float32 sync buffer three times (master weights, two moments), L being every
   parameter's run at t_min = 4 positions plus the loss element; and two int32 step counts."""
   from ntp_jax.parallel.zero import piece_count, state_bytes
   from ntp_jax.training.footprint import sync_buffer_lengths, zero_state_bytes
@@ -204,14 +204,14 @@ def test_zero1_optimizer_bytes_match_the_hand_count(tmp_path):
     assert sync_buffer_lengths(plan, gpt_spec(cfg, 0).make) == {"float32": length}
     pieces = piece_count(2, 1)
     assert pieces == 2
-    hand = -(-length // pieces) * 16 + 2 * 4
+    hand = -(-length // pieces) * 12 + 2 * 4
     assert zero_state_bytes(plan, gpt_spec(cfg, 0).make, jax.devices(), zero) == hand
     assert state_bytes({"float32": length}, 2, 1) == hand - 8  # the same pieces, no counts
-    # About a quarter of the logical parameters' 16 bytes each: 2 pieces of 1/t_min.
-    assert hand == pytest.approx(count_params(cfg) / t_min / pieces * 16, rel=0.01)
+    # About a quarter of the logical parameters' 12 bytes each: 2 pieces of 1/t_min.
+    assert hand == pytest.approx(count_params(cfg) / t_min / pieces * 12, rel=0.01)
     # Two copies: every replica holds the whole buffer's state.
     two = dataclasses.replace(zero, copies=2)
-    assert zero_state_bytes(plan, gpt_spec(cfg, 0).make, jax.devices(), two) == length * 16 + 8
+    assert zero_state_bytes(plan, gpt_spec(cfg, 0).make, jax.devices(), two) == length * 12 + 8
     footprints = class_footprints(plan, gpt_spec(cfg, 0).make, optimizer, 1.0,
                                   config.train.seq_len, jax.devices(), zero=zero)
     assert [f.opt_state for f in footprints] == [hand] * len(plan.classes)

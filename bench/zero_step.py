@@ -1,0 +1,99 @@
+"""The sharded optimizer's step (zero1) against the replicated one: step time and state bytes.
+
+  python bench/zero_step.py [--config configs/gpt_small.py] [--failed 1:3] [--steps 10]
+
+For each choice (replicated; zero1 with each ``--copies``) the same plan (2 x 4,
+``--failed`` slots) trains ``--steps`` steps on random tokens after two warm-up steps;
+reported: the median step time and its ratio to the replicated one (measured in this
+run, one after the other), and the bytes one core device holds of the optimizer state
+(replicated: its class blocks of the Adam moments; zero1: its pieces of master weights,
+moments and decay mask) and of the parameters. Run it alone: two cores shared with
+other work distort every time.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import emit, load_config, simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ntp_jax.model import load_model_spec  # noqa: E402
+from ntp_jax.parallel.job_step import JobStep  # noqa: E402
+from ntp_jax.parallel.programs import build_class_programs  # noqa: E402
+from ntp_jax.training.config import RunConfig  # noqa: E402
+from ntp_jax.training.loop import plan_for  # noqa: E402
+from ntp_jax.training.optim import make_optimizer, zero_settings  # noqa: E402
+
+
+def on_one_device(tree, device) -> int:
+  """Bytes of ``tree``'s arrays held on ``device``."""
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+             if s.device == device)
+
+
+def measure(path, failed, sharding, copies, steps, batch, seq):
+  config = load_config(path)
+  config.mesh.dp, config.mesh.tp, config.ntp.failed = 2, 4, failed
+  config.train.batch_size, config.train.seq_len = batch, seq
+  config.train.optimizer_sharding, config.train.optimizer_copies = sharding, copies
+  config = RunConfig.from_config(config)
+  model = load_model_spec(config.model.factory, config.source)
+  plan = plan_for(config, model, config.ntp.failed)
+  zero = zero_settings(config.train)
+  programs = build_class_programs(plan, model.make, make_optimizer(config.train),
+                                  config.train.clip_norm, plan.global_batch * seq,
+                                  jax.devices(), loss=model.loss, split=zero is not None)
+  job = JobStep(plan, programs, split=zero is not None, zero=zero)
+  rng = np.random.default_rng(0)
+  rows = [rng.integers(0, model.vocab_size, (plan.global_batch, seq + 1), np.int32)
+          for _ in range(steps + 2)]
+  times = []
+  for i, batch_rows in enumerate(rows):
+    start = time.perf_counter()
+    float(job(batch_rows)["loss"])
+    jax.block_until_ready([p.params for p in programs])
+    if i >= 2:
+      times.append(time.perf_counter() - start)
+  device = programs[0].mesh.devices[0, 0]  # a core device
+  opt = job.zero_state if zero is not None else programs[0].opt_state
+  return (statistics.median(times), on_one_device(opt, device),
+          on_one_device(programs[0].params, device))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="configs/gpt_small.py")
+  parser.add_argument("--failed", default="1:3")
+  parser.add_argument("--copies", default="1,2")
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--seq", type=int, default=64)
+  parser.add_argument("--out", default="")
+  args = parser.parse_args()
+  choices = [("replicated", 1)] + [("zero1", int(k)) for k in args.copies.split(",")]
+  rows = [measure(args.config, args.failed, s, k, args.steps, args.batch, args.seq)
+          for s, k in choices]
+  base = rows[0][0]
+  lines = [f"`python bench/zero_step.py --config {args.config} --failed '{args.failed}' "
+           f"--steps {args.steps} --batch {args.batch} --seq {args.seq}` (cpu, mesh 2 x 4)",
+           "", "| optimizer state | step (median) | / replicated | optimizer state on a core "
+           "device (MB) | parameters on it (MB) |", "|---|---:|---:|---:|---:|"]
+  for (sharding, k), (step, opt, params) in zip(choices, rows):
+    name = sharding if sharding == "replicated" else f"{sharding}, {k} copies"
+    lines.append(f"| {name} | {step:.3f} s | {step / base:.2f} | {opt / 1e6:.1f} | "
+                 f"{params / 1e6:.1f} |")
+  emit(lines, args.out)
+
+
+if __name__ == "__main__":
+  main()
