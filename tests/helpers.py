@@ -22,6 +22,7 @@ from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.programs import build_class_programs
 from ntp_jax.training.config import parse_failed, parse_weights
+from ntp_jax.training.hooks import Hook
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,3 +101,16 @@ def global_batch(rows, step, cfg=SMALL):
 
 def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+class WaitForAhead(Hook):
+  """Before each event step, lets the background compile finish (a long run's failures
+  come long after it has)."""
+
+  def __init__(self, steps):
+    self.steps = steps
+
+  def before_step(self, step, services):
+    if step in self.steps:
+      assert services.wait_for_compile_ahead(600)
+    return []

@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -25,10 +24,11 @@ from ntp_jax.parallel.programs import (
   ProgramCache,
   cached_sync,
   class_batch,
+  class_label,
   covering_classes,
 )
 from ntp_jax.parallel.sync import synced_loss
-from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer, decay_runs
+from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer, runs_of
 from ntp_jax.sharding.topology import holds_mine
 
 
@@ -77,9 +77,9 @@ class JobStep:
     self.zero = self.zero_key = self.zero_state = None
     if zero is not None:
       first = self.first_local
-      decays = [bool(v.get_value()) for _, v in nnx.to_flat_state(zero.decay_mask(first.params))]
       self.zero_key, self.zero = cached_sharded_optimizer(
-          self.cache, self.sync_key, self.sync, zero, decay_runs(first.step.leaves, decays))
+          self.cache, self.sync_key, self.sync, zero, runs_of(first.step.leaves, zero,
+                                                                first.params))
       # What the class layout's state looks like, to give it back (checkpoints, live peers).
       self.opt_shapes = [jax.tree.map(_abstract, p.opt_state) for p in programs]
       self.zero_state = self.zero.start(programs)
@@ -108,6 +108,24 @@ class JobStep:
     states = self.zero.class_opt_states(self.zero_state, self.programs, self.opt_shapes, dead)
     for program, state, shape in zip(self.programs, states, self.opt_shapes):
       program.opt_state = shape if state is None else state
+
+  def lower_read_back(self) -> Callable[[], list]:
+    """With ``zero``: ``() -> [(what, None, lowered)]``, the programs ``optimizer_states``
+    runs that no step does (the zeroed templates, the gathering), for compiling ahead of a
+    failure; bound to the shapes now (the arrays may be donated before it is called)."""
+    if self.zero is None:
+      return list
+    zero = self.zero
+    local = [(p.replica_class, p.step, jax.tree.map(_abstract, p.params))
+             for p, here in zip(self.programs, self.local) if here]
+
+    def lower():
+      blocks = jax.eval_shape(local[0][1].pack, local[0][2])
+      out = [(f"optimizer state read back ({class_label(c)})", None, step.zeros.lower(params))
+             for c, step, params in local]
+      return out + [("optimizer state read back (gather)", None, zero.lower_gather([blocks]))]
+
+    return lower
 
   def release_optimizer_states(self) -> None:
     """With ``zero``: drop the class layout's optimizer state (the sharded state holds it)."""

@@ -35,6 +35,7 @@ from ntp_jax.parallel.steps import (
 )
 from ntp_jax.parallel.sync import CrossClassSync, regroup_plan
 from ntp_jax.parallel.sync_leaf import sync_leaves
+from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer, runs_of
 from ntp_jax.program_cache import ProgramCache
 from ntp_jax.sharding.mesh import DP, TP, class_mesh
 from ntp_jax.sharding.topology import holds_mine, is_mine, processes_of
@@ -184,6 +185,8 @@ class PlanPrograms:
     split: the gradient and update halves even with one class (``steps.SplitStep``),
       so that a multi-process job checks every process's arrival between them
       (``processes.arrival``).
+    zero: the sharded optimizer (``zero.ZeroSettings``): the halves always, and ``lower``
+      lowers its programs instead of the all-reduce and the replicated update.
 
   Raises:
     TypeError: the optimizer is not hashable and no ``optimizer_key`` is given.
@@ -193,8 +196,9 @@ class PlanPrograms:
                optimizer: optax.GradientTransformation, clip_norm: float, global_tokens: int,
                devices: Sequence[jax.Device], *, cache: ProgramCache | None = None,
                loss: Callable[..., Any] = default_loss, optimizer_key: Hashable | None = None,
-               split: bool = False):
-    self.plan, self.make_model, self.optimizer, self.split = plan, make_model, optimizer, split
+               split: bool = False, zero: ZeroSettings | None = None):
+    self.plan, self.make_model, self.optimizer = plan, make_model, optimizer
+    self.split, self.zero = split or zero is not None, zero
     self.settings = StepSettings(optimizer, clip_norm, global_tokens, loss, optimizer_key)
     self.cache = cache or ProgramCache()
     self.shapes = plan_shapes(plan, make_model, optimizer, devices, self.cache, self.settings)
@@ -293,7 +297,7 @@ class PlanPrograms:
       needs them: state moves first, then each class's step, then the sync. Only
       classes with a device in this process.
     """
-    moves, steps, blocks = [], [], []
+    moves, steps, blocks, first = [], [], [], None
     if source is not None and jax.process_count() > 1 and not source.spans_processes:
       # As build: the state spans the processes first, the source's own way (its moves
       # planned, not run); a source that reads over every process runs no program of ours
@@ -320,11 +324,21 @@ class PlanPrograms:
       batch = jax.ShapeDtypeStruct((replica_class.batch_rows, seq_len + 1), np.int32,
                                    sharding=NamedSharding(mesh, P(DP)))
       if key not in skip:
-        steps += [(f"class program ({name})", key, lowered)
-                  for lowered in step.lower(state["params"], state["opt_state"], batch)]
+        lowered_step = (step.lower_sharded(state["params"], batch) if self.zero is not None
+                        else step.lower(state["params"], state["opt_state"], batch))
+        steps += [(f"class program ({name})", key, lowered) for lowered in lowered_step]
       if isinstance(step, SplitStep):
         blocks.append(abstract_sync_blocks(step.grad, state["params"], batch, mesh))
-    if (len(self.plan.classes) > 1 or self.split) and blocks:
+        first = first or (step, state["params"])
+    if self.zero is not None and blocks:
+      sync_key, sync = cached_sync(self.cache, self.shapes.meshes, self.shapes.t_min,
+                                   record=False)
+      key, sharded = cached_sharded_optimizer(self.cache, sync_key, sync, self.zero,
+                                              runs_of(first[0].leaves, self.zero, first[1]),
+                                              record=False)
+      if key not in skip:
+        steps += [(what, key, lowered) for what, lowered in sharded.lower_programs(blocks)]
+    elif (len(self.plan.classes) > 1 or self.split) and blocks:
       key, sync = cached_sync(self.cache, self.shapes.meshes, self.shapes.t_min, record=False)
       if key not in skip:
         steps.append(("cross-class sync", key, sync.lower(blocks)))

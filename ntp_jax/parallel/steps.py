@@ -278,6 +278,8 @@ class SplitStep:
       (``zero.ShardedOptimizer`` keeps its state so).
     unpack: jitted ``(buffers, params) -> tree``: the inverse, ``params`` giving the
       layout (read for shapes only, and donated: the result takes its buffers).
+    zeros: jitted ``tree -> tree`` of zeros in the class shardings (a template for
+      ``unpack`` that may be donated).
     leaves: the class's ``sync_leaf.sync_leaves``, in the order the buffers hold them.
   """
 
@@ -287,6 +289,7 @@ class SplitStep:
   mesh: Mesh
   pack: Callable[..., Any]
   unpack: Callable[..., Any]
+  zeros: Callable[..., Any]
   leaves: tuple
 
   @classmethod
@@ -345,7 +348,8 @@ class SplitStep:
                evaluate=jax.jit(make_eval_loss(graphdef, params, mesh, settings.loss)),
                mesh=mesh, pack=jax.jit(pack), unpack=jax.jit(restore, out_shardings=shardings,
                                                               donate_argnums=(1,)),
-               leaves=leaves)
+               zeros=jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree),
+                             out_shardings=shardings), leaves=leaves)
 
   def apply(self, params, opt_state, inputs):
     return self.update(params, opt_state, inputs)
@@ -359,6 +363,13 @@ class SplitStep:
   def lower(self, params, opt_state, batch) -> list[jax.stages.Lowered]:
     blocks = abstract_sync_blocks(self.grad, params, batch, self.mesh)
     return [self.grad.lower(params, batch), self.update.lower(params, opt_state, blocks)]
+
+  def lower_sharded(self, params, batch) -> list[jax.stages.Lowered]:
+    """The programs this class runs with a sharded optimizer (``zero``): the gradient
+    half, packing a parameter-shaped tree, the zeroed template and unpacking into it."""
+    blocks = abstract_sync_blocks(self.grad, params, batch, self.mesh)
+    return [self.grad.lower(params, batch), self.pack.lower(params), self.zeros.lower(params),
+            self.unpack.lower(blocks, params)]
 
 
 def abstract_sync_blocks(grad: Callable[..., Any], params: Any, batch: Any,

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax import tree_utils
@@ -118,6 +119,13 @@ def decay_runs(leaves: Sequence[Any], decays: Sequence[bool]) -> DecayRuns:
   return tuple(sorted((name, tuple(map(tuple, r))) for name, r in runs.items()))
 
 
+def runs_of(leaves: Sequence[Any], settings: ZeroSettings, params: Any) -> DecayRuns:
+  """``decay_runs`` of a class: its ``SplitStep.leaves`` and its parameters (replica-stacked,
+  arrays or ``jax.ShapeDtypeStruct``s), whose ``settings.decay_mask`` says which decay."""
+  return decay_runs(leaves, [bool(v.get_value())
+                             for _, v in nnx.to_flat_state(settings.decay_mask(params))])
+
+
 def state_bytes(buffer_lengths: dict[str, int], replicas: int, copies: int) -> int:
   """Bytes one core device holds of the sharded state (float32 master weights and two
   float32 Adam moments; the two int32 step counts left out), for sync buffers of
@@ -137,6 +145,11 @@ def _lead(x):
 
 def _unlead(x):
   return x[0, 0] if x.ndim else x
+
+
+def _as_dtype(x, like):
+  """``x`` in ``like``'s dtype (no program when it has it already)."""
+  return x if x.dtype == like.dtype else x.astype(like.dtype)
 
 
 def _specs(tree):
@@ -166,7 +179,6 @@ class ShardedOptimizer:
     self._scatter = jax.jit(self._scatter_fn)
     self._gather = jax.jit(self._gather_fn, static_argnames=("lengths",))
     self._start = jax.jit(self._start_fn)
-    self._zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
   # -- the programs ---------------------------------------------------------------------------
 
@@ -314,7 +326,7 @@ class ShardedOptimizer:
     def unpacked(moment):
       full = self._gather(tree_utils.tree_get(opt, moment), lengths=lengths)
       buffers = self.sync.unstack(templates, full)
-      return [p.step.unpack(b, self._zeros_like(p.params)) if here else None
+      return [p.step.unpack(b, p.step.zeros(p.params)) if here else None
               for p, b, here in zip(programs, buffers, local)]
 
     out = []
@@ -324,8 +336,8 @@ class ShardedOptimizer:
         out.append(None)
         continue
       replicated = NamedSharding(program.mesh, P())
-      mu = jax.tree.map(lambda m, s: m.astype(s.dtype), mu, tree_utils.tree_get(shape, "mu"))
-      nu = jax.tree.map(lambda m, s: m.astype(s.dtype), nu, tree_utils.tree_get(shape, "nu"))
+      mu = jax.tree.map(_as_dtype, mu, tree_utils.tree_get(shape, "mu"))
+      nu = jax.tree.map(_as_dtype, nu, tree_utils.tree_get(shape, "nu"))
       filled = tree_utils.tree_set(shape, mu=mu, nu=nu,
                                    count=jax.device_put(count, replicated))
       if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(filled)):
@@ -350,6 +362,27 @@ class ShardedOptimizer:
       by_device[device] = jax.device_put(by_device[live[0]], device)
     return jax.make_array_from_single_device_arrays(array.shape, array.sharding,
                                                     [by_device[d] for d in mine(self.mesh)])
+
+  def lower_programs(self, class_blocks: Sequence[dict[str, Any]]
+                     ) -> list[tuple[str, jax.stages.Lowered]]:
+    """Every program of this object a plan runs, lowered for abstract arguments: cutting
+    a class layout's state into pieces and starting from them (``start``), the update
+    (``step``), and the gathering that gives the state back (``class_opt_states``).
+    ``(what, lowered)`` each; ``class_blocks`` as for ``lower``."""
+    buffers = self._abstract_buffers(class_blocks[0])
+    state = self.abstract_state(class_blocks)
+    pieces = state["master"]
+    count = tree_utils.tree_get_all_with_path(state["opt"], "count")[0][1]
+    return [("sharded optimizer (into pieces)", self._scatter.lower(buffers)),
+            ("sharded optimizer (start)", self._start.lower(pieces, pieces, pieces, count)),
+            ("sharded optimizer (update)", self._update.lower(buffers, state)),
+            ("sharded optimizer (gather)", self.lower_gather(class_blocks))]
+
+  def lower_gather(self, class_blocks: Sequence[dict[str, Any]]) -> jax.stages.Lowered:
+    """The gathering of a moment's pieces into whole buffers (``class_opt_states``),
+    lowered; ``class_blocks`` as for ``lower``."""
+    lengths = tuple(sorted((name, x.shape[-1]) for name, x in class_blocks[0].items()))
+    return self._gather.lower(self.abstract_state(class_blocks)["master"], lengths=lengths)
 
   def abstract_state(self, class_blocks: Sequence[dict[str, Any]]) -> dict:
     """The state ``start`` makes, as ``jax.ShapeDtypeStruct``s over ``self.mesh`` (nothing

@@ -342,11 +342,6 @@ def _ntp_section(reader: _Reader, mesh: MeshConfig, train: TrainConfig,
   precompile = reader.str("ntp.precompile")
   if precompile not in PRECOMPILE:
     raise ConfigError(f"ntp.precompile: {precompile!r} is not one of {', '.join(PRECOMPILE)}")
-  if train.optimizer_sharding != "replicated" and precompile == "next_failure":
-    raise ConfigError(f"ntp.precompile: 'next_failure' does not compile the "
-                      f"{train.optimizer_sharding} optimizer's programs ahead yet; set "
-                      "ntp.precompile=none (or auto) with train.optimizer_sharding="
-                      f"{train.optimizer_sharding}")
   where = dict(dp=mesh.dp, tp=mesh.tp, steps=train.steps)
   events = (parse_events(reader.str("ntp.fail_at"), "fail", **where)
             + parse_events(reader.str("ntp.repair_at"), "repair", **where))

@@ -10,6 +10,7 @@ live state onto the new plan (``ntp.recovery="live"``: from DP peers, see
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -256,6 +257,9 @@ class TrainingRun:
       dead = {self.devices[r * tp + s] for r, s in failed - state.failed}
       dead |= self.guard.lost_devices
       programs = state.programs
+      if self.zero is not None:  # a sharded state moves in the class layout (optimizer_states)
+        programs = [dataclasses.replace(p, opt_state=shape)
+                    for p, shape in zip(programs, state.job_step.opt_shapes)]
       if process is not None:  # as process_lost: the old state on the live processes' rows
         dead |= self.guard.devices_of({process})
         live = self.guard.live_processes() - {process}
@@ -264,6 +268,9 @@ class TrainingRun:
       jobs.append(PlanJob(failed, label, functools.partial(
           self._programs_ahead, plan, programs, frozenset(dead)), origin=state.failed,
           lost=frozenset() if process is None else frozenset({process})))
+    if self.zero is not None:  # first: what gives this plan's sharded state back at a failure
+      jobs.insert(0, PlanJob(state.failed, "this plan's optimizer state read back",
+                             state.job_step.lower_read_back(), origin=state.failed))
     self.precompiler.schedule(jobs)
 
   def _programs_ahead(self, plan: Plan, programs: list, dead: frozenset) -> list:
@@ -278,7 +285,8 @@ class TrainingRun:
       source = CheckpointShapes()
     return PlanPrograms(plan, self.model.make, self.optimizer, self.config.train.clip_norm,
                         self.global_tokens(plan), self.devices, cache=self.cache,
-                        loss=self.model.loss, split=self.guard.arrives_before_sync(plan)).lower(
+                        loss=self.model.loss, split=self.guard.arrives_before_sync(plan),
+                        zero=self.zero).lower(
                             self.config.train.seq_len, source, skip=self.cache.compiled_keys())
 
   def _wait_for_compile_ahead(self, timeout_s: float | None) -> bool:

@@ -297,10 +297,7 @@ def precompile_on(config: RunConfig, devices: Sequence[jax.Device], log) -> bool
   background (``ntp_jax.training.precompile``)? ``auto`` is on for GPU and TPU, off on CPU (the
   compiling thread would take the cores the step runs on). Logs the choice."""
   setting = config.ntp.precompile
-  # The sharded optimizer's programs are not compiled ahead yet (training.config refuses
-  # next_failure with it).
-  on = setting == "next_failure" or (setting == "auto" and devices[0].platform != "cpu"
-                                     and config.train.optimizer_sharding == "replicated")
+  on = setting == "next_failure" or (setting == "auto" and devices[0].platform != "cpu")
   if on:
     log("compile ahead: on (ntp.precompile): the plans one failure or repair away compile in "
         "the background")

@@ -6,7 +6,7 @@ import os
 import jax
 import pytest
 from flax import nnx
-from helpers import tiny_config
+from helpers import WaitForAhead, tiny_config
 
 import configs.gpt_tiny
 from models.gpt import GPT, GPTConfig, model_layouts
@@ -15,7 +15,6 @@ from ntp_jax.parallel.plan import make_plan, reachable_failed_sets
 from ntp_jax.parallel.programs import PlanPrograms, ProgramCache
 from ntp_jax.training.compilation import set_up_cache
 from ntp_jax.training.config import RunConfig
-from ntp_jax.training.hooks import Hook
 from ntp_jax.training.metrics import read_records
 from ntp_jax.training.optim import make_optimizer
 from ntp_jax.training.trainer import train
@@ -24,19 +23,6 @@ MESH = {"mesh.dp": 2, "mesh.tp": 2, "ntp.rebalance": "equal"}
 # A failure, a second failure in the other replica, and a repair of the first.
 EVENTS = {"ntp.fail_at": "3@0:1,5@1:0", "ntp.repair_at": "7@0:1", "train.steps": 9}
 EVENT_STEPS = {3, 5, 7}
-
-
-class WaitForAhead(Hook):
-  """Before each event step, lets the background compile finish (a long run's failures
-  come long after it has)."""
-
-  def __init__(self, steps):
-    self.steps = steps
-
-  def before_step(self, step, services):
-    if step in self.steps:
-      assert services.wait_for_compile_ahead(600)
-    return []
 
 
 def run(workdir, precompile, lines=None, **overrides):

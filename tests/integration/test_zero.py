@@ -12,7 +12,7 @@ states are compared at 1e-5 of each leaf's norm, losses at 1e-6.
 import jax
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import WaitForAhead, tiny_config
 
 from ntp_jax.model import load_model_spec
 from ntp_jax.parallel.job_step import JobStep
@@ -20,6 +20,7 @@ from ntp_jax.parallel.programs import build_class_programs, logical_state
 from ntp_jax.state.checkpoint import Checkpoints
 from ntp_jax.training.config import RunConfig
 from ntp_jax.training.loop import plan_for
+from ntp_jax.training.metrics import read_records
 from ntp_jax.training.optim import make_optimizer, zero_settings
 from ntp_jax.training.trainer import train
 
@@ -135,3 +136,18 @@ def test_zero1_with_one_copy_takes_the_restart_path_and_says_why(tmp_path):
   assert "of peer position 0 was held by failed devices only" in said[1]
   assert sum("restoring step 4 from" in line for line in lines) == 1
 
+
+
+def test_zero1_recoveries_compiled_ahead_compile_nothing(tmp_path):
+  """dp=2 tp=2, two copies: a failure, a second one in the other replica and a repair, each
+  onto a plan compiled in the background before it came (the sharded optimizer's programs
+  and the read-back of its state included)."""
+  steps = {3, 5, 7}
+  config = config_of(tmp_path / "ahead", 9, **ZERO, **{
+      "mesh.dp": 2, "mesh.tp": 2, "train.optimizer_copies": 2, "ntp.precompile": "next_failure",
+      "ntp.fail_at": "3@0:1,5@1:0", "ntp.repair_at": "7@0:1"})
+  config.checkpoint.every = 0
+  result = train(config, hooks=[WaitForAhead(steps)], **QUIET)
+  rows = [r for r in read_records(result.metrics_path) if r.get("event") == "recovered"]
+  assert [(r["step"], r["path"]) for r in rows] == [(3, "live"), (5, "live"), (7, "live")]
+  assert all(r["compiled_ahead"] and r["compile_s"] == 0.0 for r in rows), rows
