@@ -1,14 +1,14 @@
 """The sharded optimizer's step (zero1) against the replicated one: step time and state bytes.
 
-  python bench/zero_step.py [--config configs/gpt_small.py] [--failed 1:3] [--steps 10]
+  python bench/zero_step.py [--config configs/gpt_small.py] [--mesh 2x4] [--failed 1:3]
 
-For each choice (replicated; zero1 with each ``--copies``) the same plan (2 x 4,
-``--failed`` slots) trains ``--steps`` steps on random tokens after two warm-up steps;
-reported: the median step time and its ratio to the replicated one (measured in this
-run, one after the other), and the bytes one core device holds of the optimizer state
-(replicated: its class blocks of the Adam moments; zero1: its pieces of master weights,
-moments and decay mask) and of the parameters. Run it alone: two cores shared with
-other work distort every time.
+For each choice (replicated; zero1 with each ``--copies``) the same plan (``--mesh``
+DP x TP on 8 simulated devices, ``--failed`` slots) trains ``--steps`` steps on random
+tokens after two warm-up steps. Reported: the median step time and its ratio to the
+replicated one (measured in this run, one after the other), and the bytes one core
+device holds of the optimizer state (replicated: its class blocks of the Adam moments;
+zero1: its pieces of float32 master weights and moments) and of the parameters. Run it
+alone: two cores shared with other work distort every time.
 """
 
 import argparse
@@ -41,9 +41,10 @@ def on_one_device(tree, device) -> int:
              if s.device == device)
 
 
-def measure(path, failed, sharding, copies, steps, batch, seq):
+def measure(path, mesh, failed, sharding, copies, steps, batch, seq):
   config = load_config(path)
-  config.mesh.dp, config.mesh.tp, config.ntp.failed = 2, 4, failed
+  config.mesh.dp, config.mesh.tp = mesh
+  config.ntp.failed = failed
   config.train.batch_size, config.train.seq_len = batch, seq
   config.train.optimizer_sharding, config.train.optimizer_copies = sharding, copies
   config = RunConfig.from_config(config)
@@ -73,6 +74,7 @@ def measure(path, failed, sharding, copies, steps, batch, seq):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="configs/gpt_small.py")
+  parser.add_argument("--mesh", default="2x4", help="DP x TP, at most 8 devices")
   parser.add_argument("--failed", default="1:3")
   parser.add_argument("--copies", default="1,2")
   parser.add_argument("--steps", type=int, default=10)
@@ -81,15 +83,16 @@ def main():
   parser.add_argument("--out", default="")
   args = parser.parse_args()
   choices = [("replicated", 1)] + [("zero1", int(k)) for k in args.copies.split(",")]
-  rows = [measure(args.config, args.failed, s, k, args.steps, args.batch, args.seq)
+  mesh = tuple(int(n) for n in args.mesh.split("x"))
+  rows = [measure(args.config, mesh, args.failed, s, k, args.steps, args.batch, args.seq)
           for s, k in choices]
   base = rows[0][0]
-  lines = [f"`python bench/zero_step.py --config {args.config} --failed '{args.failed}' "
-           f"--steps {args.steps} --batch {args.batch} --seq {args.seq}` (cpu, mesh 2 x 4)",
+  lines = [f"`python bench/zero_step.py --config {args.config} --mesh {args.mesh} --failed "
+           f"'{args.failed}' --steps {args.steps} --batch {args.batch} --seq {args.seq}` (cpu)",
            "", "| optimizer state | step (median) | / replicated | optimizer state on a core "
            "device (MB) | parameters on it (MB) |", "|---|---:|---:|---:|---:|"]
   for (sharding, k), (step, opt, params) in zip(choices, rows):
-    name = sharding if sharding == "replicated" else f"{sharding}, {k} copies"
+    name = sharding if sharding == "replicated" else f"{sharding}, k={k}"
     lines.append(f"| {name} | {step:.3f} s | {step / base:.2f} | {opt / 1e6:.1f} | "
                  f"{params / 1e6:.1f} |")
   emit(lines, args.out)
