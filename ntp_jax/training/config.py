@@ -353,6 +353,11 @@ def _ntp_section(reader: _Reader, mesh: MeshConfig, train: TrainConfig,
     if mesh.dp == 1:
       raise ConfigError("ntp.fail_at: with mesh.dp=1 no DP peer holds a copy of the state and "
                         "checkpoint.every=0 writes no checkpoint to fall back to")
+    if train.optimizer_sharding != "replicated" and train.optimizer_copies == 1:
+      raise ConfigError("ntp.fail_at: with train.optimizer_copies=1 a failed device's piece of "
+                        "the optimizer state has no copy, and checkpoint.every=0 writes no "
+                        "checkpoint to fall back to; set train.optimizer_copies=2 or "
+                        "checkpoint.every")
   return NTPConfig(failed=failed, slot_weights=weights, rebalance=rebalance,
                    events=tuple(sorted(events)), recovery=recovery, precompile=precompile,
                    precompile_max_programs=reader.int("ntp.precompile_max_programs", low=0),

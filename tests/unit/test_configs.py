@@ -84,6 +84,31 @@ def test_a_bad_value_in_any_section_is_one_line_naming_the_field(field, value, m
   assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("overrides,match", [
+    ({"train.optimizer_sharding": "zero2"},
+     "train.optimizer_sharding: 'zero2' is not one of replicated, zero1"),
+    ({"train.optimizer_copies": 0}, "train.optimizer_copies: must be >= 1"),
+    ({"train.optimizer_copies": 2}, "train.optimizer_copies: 2 copies need "
+                                    "train.optimizer_sharding=zero1"),
+    ({"train.optimizer_sharding": "zero1", "train.optimizer_copies": 3},
+     r"train.optimizer_copies: 3 copies of each piece need as many replicas; mesh.dp=2"),
+    ({"train.optimizer_sharding": "zero1", "ntp.fail_at": "3@0:1", "checkpoint.every": 0},
+     "ntp.fail_at: with train.optimizer_copies=1 a failed device's piece"),
+])
+def test_optimizer_sharding_mistakes_are_one_line(overrides, match):
+  config = importlib.import_module("configs.gpt_tiny").get_config()
+  config.mesh.dp, config.mesh.tp = 2, 4
+  for field, value in overrides.items():
+    section, name = field.split(".")
+    config[section][name] = value
+  with pytest.raises(ConfigError, match=f"^{match}") as err:
+    RunConfig.from_config(config)
+  assert "\n" not in str(err.value)
+  config.train.optimizer_copies = 2 if "ntp.fail_at" in overrides else 1
+  config.train.optimizer_sharding = "zero1"
+  RunConfig.from_config(config)  # with two copies, or fixed, it is taken
+
+
 def test_missing_and_unknown_fields_are_named():
   config = importlib.import_module("configs.gpt_tiny").get_config()
   del config.train["plot"]
