@@ -165,13 +165,14 @@ class ShardedOptimizer:
     runs: where the decayed parameters lie in the buffers (``decay_runs``).
 
   Raises:
-    ValueError: more copies than live replicas.
+  With fewer live replicas than ``settings.copies`` (failures dropped replicas), every
+  live replica holds every piece.
   """
 
   def __init__(self, sync: CrossClassSync, settings: ZeroSettings, runs: DecayRuns):
     self.sync, self.settings, self.runs = sync, settings, dict(runs)
     replicas, t_min = sync.mesh.devices.shape
-    self.pieces = piece_count(replicas, settings.copies)
+    self.pieces = piece_count(replicas, min(settings.copies, replicas))
     grid = sync.mesh.devices.reshape(replicas // self.pieces, self.pieces, t_min)
     self.mesh = Mesh(grid, (COPY, PIECE, PEER))
     self.sharding = NamedSharding(self.mesh, PIECE_SPEC)

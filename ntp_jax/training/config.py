@@ -167,6 +167,10 @@ class RunConfig:
     _no_unknown_fields(config)
     mesh = MeshConfig(tp=reader.int("mesh.tp", low=1), dp=reader.int("mesh.dp", low=1))
     train = _train_section(reader)
+    if train.optimizer_sharding != "replicated" and mesh.dp == 1:
+      raise ConfigError(f"train.optimizer_sharding: {train.optimizer_sharding} splits the "
+                        "optimizer state over the DP replicas, and mesh.dp=1 has one; use "
+                        "replicated")
     if train.optimizer_copies > mesh.dp:
       raise ConfigError(f"train.optimizer_copies: {train.optimizer_copies} copies of each piece "
                         f"need as many replicas; mesh.dp={mesh.dp}")
@@ -353,11 +357,12 @@ def _ntp_section(reader: _Reader, mesh: MeshConfig, train: TrainConfig,
     if mesh.dp == 1:
       raise ConfigError("ntp.fail_at: with mesh.dp=1 no DP peer holds a copy of the state and "
                         "checkpoint.every=0 writes no checkpoint to fall back to")
-    if train.optimizer_sharding != "replicated" and train.optimizer_copies == 1:
-      raise ConfigError("ntp.fail_at: with train.optimizer_copies=1 a failed device's piece of "
-                        "the optimizer state has no copy, and checkpoint.every=0 writes no "
-                        "checkpoint to fall back to; set train.optimizer_copies=2 or "
-                        "checkpoint.every")
+    # From a healthy start every slot holds a piece, so the first failure loses one.
+    if train.optimizer_sharding != "replicated" and train.optimizer_copies == 1 and not failed:
+      raise ConfigError("ntp.fail_at: with train.optimizer_copies=1 the first failed device's "
+                        "piece of the optimizer state has no copy, and checkpoint.every=0 "
+                        "writes no checkpoint to fall back to; set train.optimizer_copies=2 or "
+                        "checkpoint.every=N (steps between checkpoints)")
   return NTPConfig(failed=failed, slot_weights=weights, rebalance=rebalance,
                    events=tuple(sorted(events)), recovery=recovery, precompile=precompile,
                    precompile_max_programs=reader.int("ntp.precompile_max_programs", low=0),

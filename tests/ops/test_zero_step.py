@@ -100,6 +100,13 @@ def test_the_class_layout_state_comes_back_exactly_and_from_live_copies():
   jax.tree.map(np.testing.assert_array_equal, second, first)
 
 
+def test_fewer_live_replicas_than_copies_hold_every_piece_each():
+  """Two copies asked for, one replica left (the other dropped): it holds the whole state."""
+  step = job(2, 2, "0:0,0:1", copies=2)
+  assert len(step.plan.replicas) == 1 and step.zero.pieces == 1
+  assert np.isfinite(float(steps(step, 1)[0]["loss"]))
+
+
 def test_a_piece_with_no_live_copy_is_one_line():
   step = job(2, 4, copies=1)
   steps(step, 1)

@@ -93,7 +93,7 @@ def test_a_bad_value_in_any_section_is_one_line_naming_the_field(field, value, m
     ({"train.optimizer_sharding": "zero1", "train.optimizer_copies": 3},
      r"train.optimizer_copies: 3 copies of each piece need as many replicas; mesh.dp=2"),
     ({"train.optimizer_sharding": "zero1", "ntp.fail_at": "3@0:1", "checkpoint.every": 0},
-     "ntp.fail_at: with train.optimizer_copies=1 a failed device's piece"),
+     "ntp.fail_at: with train.optimizer_copies=1 the first failed device's piece"),
 ])
 def test_optimizer_sharding_mistakes_are_one_line(overrides, match):
   config = importlib.import_module("configs.gpt_tiny").get_config()
@@ -107,6 +107,20 @@ def test_optimizer_sharding_mistakes_are_one_line(overrides, match):
   config.train.optimizer_copies = 2 if "ntp.fail_at" in overrides else 1
   config.train.optimizer_sharding = "zero1"
   RunConfig.from_config(config)  # with two copies, or fixed, it is taken
+
+
+def test_zero1_needs_replicas_and_refuses_only_a_failure_that_must_lose_a_piece():
+  config = importlib.import_module("configs.gpt_tiny").get_config()
+  config.train.optimizer_sharding = "zero1"
+  with pytest.raises(ConfigError, match="^train.optimizer_sharding: zero1 splits the "
+                                        "optimizer state over the DP replicas, and mesh.dp=1"):
+    RunConfig.from_config(config)
+  config.mesh.dp, config.mesh.tp = 2, 4
+  config.ntp.fail_at, config.checkpoint.every = "5@1:3", 0
+  with pytest.raises(ConfigError, match="checkpoint.every=N"):
+    RunConfig.from_config(config)
+  config.ntp.failed = "0:3"  # degree 3 next to 4: slot 3 of replica 1 holds no piece
+  RunConfig.from_config(config)
 
 
 def test_missing_and_unknown_fields_are_named():
