@@ -71,10 +71,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.b2 = 0.95  # Adam beta2
   c.train.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only)
   c.train.clip_norm = 1.0  # global gradient-norm clip
-  # Optimizer state: replicated (every replica holds all of its shards' state) or zero1 (the
+  # Optimizer state: replicated (every replica holds all of its shards' state), zero1 (the
   # Adam moments and float32 master weights split over the replicas of each peer group, ZeRO-1)
+  # or zero2 (also each micro-batch's gradient reduce-scattered at once, ZeRO-2)
   c.train.optimizer_sharding = "replicated"
-  c.train.optimizer_copies = 1  # zero1: replicas holding each piece (1..mesh.dp; 2+ survive a loss)
+  c.train.optimizer_copies = 1  # zero*: replicas holding each piece (1..mesh.dp; 2+ survive a loss)
   c.train.log_every = 10  # progress line every N steps
   c.train.eval_every = 50  # validation loss every N steps and at the end (0 = off)
   c.train.eval_sequences = 32  # held-out sequences in the validation loss (a fixed set)

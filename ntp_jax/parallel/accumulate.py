@@ -30,6 +30,21 @@ def micro_batches(rows: int, count: int) -> list[tuple[int, int]]:
   return [(n, size) for n, size in ((r, q + 1), (count - r, q)) if n]
 
 
+def micro_starts(rows: int, count: int) -> list[tuple[int, int]]:
+  """``(start, size)`` of each micro-batch of a replica's ``rows`` cut into ``count``
+  (``micro_batches``: the larger ones first), in order.
+
+  Raises:
+    ValueError: ``count`` < 1, or more micro-batches than rows.
+  """
+  out, start = [], 0
+  for n, size in micro_batches(rows, count):
+    for _ in range(n):
+      out.append((start, size))
+      start += size
+  return out
+
+
 def accumulate(value_and_grad: Callable[[Any, jax.Array], tuple[jax.Array, Any]], params: Any,
                batch: jax.Array, count: int, scan: bool = True) -> tuple[jax.Array, Any]:
   """``value_and_grad(params, rows)`` summed over ``count`` micro-batches of ``batch``.

@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ntp_jax.parallel.accumulate import micro_starts
 from ntp_jax.parallel.plan import Plan
 from ntp_jax.parallel.programs import (
   ClassProgram,
@@ -184,12 +185,41 @@ class JobStep:
     """The step with the sharded optimizer (``zero``): gradients, the sharded update, and
     each class's parameters unpacked from the gathered buffers."""
     self.release_optimizer_states()  # the sharded state moves on: a class copy would be stale
-    params, self.zero_state, metrics = self.zero.step(self._gradient_buffers(batch),
-                                                      self.zero_state)
+    if self.zero.settings.stage == 1:
+      params, self.zero_state, metrics = self.zero.step(self._gradient_buffers(batch),
+                                                        self.zero_state)
+    else:
+      params, self.zero_state, metrics = self._zero2_update(batch)
     for program, local, buffers in zip(self.programs, self.local, params):
       if local:
         program.params = program.step.unpack(buffers, program.params)
     return metrics
+
+  def _zero2_update(self, batch: Any) -> tuple[list[dict | None], dict, dict]:
+    """zero2: one round per micro-batch (as many as the class with the most), each class
+    running its next micro-batch (zeros once it has none left) and the sharded optimizer
+    reducing the round into its pieces; then the update from the pieces."""
+    rounds, inputs = [], []
+    for program, local, (start, _) in zip(self.programs, self.local, self.plan.class_rows()):
+      c = program.replica_class
+      rounds.append(micro_starts(c.batch_share, c.microbatches))
+      inputs.append(class_batch(program, batch, start) if local else None)
+    total = None
+    for i in range(max(map(len, rounds))):
+      buffers: list[dict | None] = []
+      for program, local, rows, x in zip(self.programs, self.local, rounds, inputs):
+        if not local:
+          buffers.append(None)
+        elif i < len(rows):
+          buffers.append(program.step.micro_grad(program.params, x, np.int32(rows[i][0]),
+                                                 size=rows[i][1]))
+        else:  # this class's rows are done: it adds nothing to the sums
+          buffers.append(program.step.pack(program.step.zeros(program.params)))
+      if i == 0 and self.before_sync is not None:
+        jax.block_until_ready(buffers)
+        self.before_sync()
+      total = self.zero.accumulate(buffers, total)
+    return self.zero.apply(total, self.zero_state, buffers)
 
   def _gradient_buffers(self, batch: Any) -> list[dict | None]:
     """Each local class's gradient buffers (None elsewhere), then ``before_sync``."""

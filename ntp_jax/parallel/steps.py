@@ -21,11 +21,12 @@ analysis).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -268,6 +269,10 @@ class SplitStep:
     grad: jitted ``(params, batch) -> buffers``: ``dtype -> [replicas, degree, L]``
       (``P('dp', 'tp')``), every parameter's sync block packed into one flat
       buffer per dtype, the replica's loss share last in the ``float32`` one.
+    micro_grad: jitted ``(params, batch, start, *, size) -> buffers``: as ``grad`` for
+      one micro-batch, rows ``start : start + size`` of each replica's share
+      (``start`` an int32 scalar, the same for every replica; ``size`` static), for
+      ``train.optimizer_sharding=zero2`` (``accumulate.micro_starts`` gives each one's rows).
     update: jitted ``(params, opt_state, buffers) -> (params, opt_state, metrics)``
       after ``sync.CrossClassSync``, state donated; ``metrics`` holds the
       job's ``loss`` and ``grad_norm``, replicated over the class mesh.
@@ -284,6 +289,7 @@ class SplitStep:
   """
 
   grad: Callable[..., Any]
+  micro_grad: Callable[..., Any]
   update: Callable[..., Any]
   evaluate: Callable[..., Any]
   mesh: Mesh
@@ -318,6 +324,18 @@ class SplitStep:
                                     out_specs=block_specs),
                       in_shardings=(spec_shardings(specs, mesh), batch_sharding))
 
+    def micro_grad_fn(params, batch, start, size):
+      def body(params_local, batch, start):
+        rows = jax.lax.dynamic_slice_in_dim(batch, start, size, axis=0)
+        loss, grads = _local_grads(graphdef, params_local, rows, settings.global_tokens,
+                                   settings.loss)
+        return {k: v[None] for k, v in pack_buffers(to_sync_blocks(grads, leaves), loss).items()}
+
+      return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DP), P()),
+                           out_specs=block_specs)(params, batch, start)
+
+    micro_grad = jax.jit(micro_grad_fn, static_argnames=("size",))
+
     def restore_body(buffers, params_local):
       template = unstack_local(params_local)
       local = unpack_buffers({k: v[0] for k, v in buffers.items()}, leaves)
@@ -344,7 +362,7 @@ class SplitStep:
     update_fn = jax.jit(update_step, donate_argnums=(0, 1),
                         out_shardings=(shardings, opt_shardings,
                                        {"loss": replicated, "grad_norm": replicated}))
-    return cls(grad=grad_fn, update=update_fn,
+    return cls(grad=grad_fn, micro_grad=micro_grad, update=update_fn,
                evaluate=jax.jit(make_eval_loss(graphdef, params, mesh, settings.loss)),
                mesh=mesh, pack=jax.jit(pack), unpack=jax.jit(restore, out_shardings=shardings,
                                                               donate_argnums=(1,)),
@@ -364,12 +382,17 @@ class SplitStep:
     blocks = abstract_sync_blocks(self.grad, params, batch, self.mesh)
     return [self.grad.lower(params, batch), self.update.lower(params, opt_state, blocks)]
 
-  def lower_sharded(self, params, batch) -> list[jax.stages.Lowered]:
+  def lower_sharded(self, params, batch, micro_sizes: Sequence[int] = ()
+                    ) -> list[jax.stages.Lowered]:
     """The programs this class runs with a sharded optimizer (``zero``): the gradient
-    half, packing a parameter-shaped tree, the zeroed template and unpacking into it."""
+    half (zero2: ``micro_grad`` for each of ``micro_sizes`` rows instead), packing a
+    parameter-shaped tree, the zeroed template and unpacking into it."""
     blocks = abstract_sync_blocks(self.grad, params, batch, self.mesh)
-    return [self.grad.lower(params, batch), self.pack.lower(params), self.zeros.lower(params),
-            self.unpack.lower(blocks, params)]
+    start = jax.ShapeDtypeStruct((), np.int32)
+    grads = ([self.micro_grad.lower(params, batch, start, size=size) for size in micro_sizes]
+             if micro_sizes else [self.grad.lower(params, batch)])
+    return grads + [self.pack.lower(params), self.zeros.lower(params),
+                    self.unpack.lower(blocks, params)]
 
 
 def abstract_sync_blocks(grad: Callable[..., Any], params: Any, batch: Any,

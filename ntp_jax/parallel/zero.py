@@ -1,4 +1,5 @@
-"""ZeRO-1 under NTP: the optimizer state split over the replicas of each peer group.
+"""ZeRO-1 and ZeRO-2 under NTP: the optimizer state (and, with ZeRO-2, the reduced
+gradients) split over the replicas of each peer group.
 
 After the sync's phase 1 (``sync.to_sync_blocks``, ``sync.pack_buffers``) core
 slot ``j`` of every live replica, whatever its TP degree, holds its gradient
@@ -24,13 +25,24 @@ One step (``ShardedOptimizer.step``), one program over a
    (``steps.SplitStep.unpack``).
 
 With one copy the bytes across domains are a reduce-scatter and an
-all-gather of the buffer: an all-reduce's. A failed device's pieces are
-taken from another copy (``class_opt_states`` with ``dead``); with no live
-copy left, ``LookupError`` (the restart path). Checkpoints, live peers and
-every other reader see the optimizer state in the class layout
+all-gather of the buffer: an all-reduce's.
+
+ZeRO-2 (``ZeroSettings.stage=2``) runs step 1 per micro-batch instead: each
+class's gradient half runs one micro-batch (``steps.SplitStep.micro_grad``)
+and its buffers are reduce-scattered at once and added to float32 pieces
+(``accumulate``), so no device carries a whole step's gradient; steps 2 and
+3 then run on the summed pieces (``apply``). Each micro-batch sends a
+reduce-scatter: with ``m`` micro-batches, ``m`` reduce-scatters and one
+all-gather per step (with ``m = 1``, zero1's bytes).
+
+A failed device's pieces are taken from another copy
+(``class_opt_states`` with ``dead``); with no live copy left,
+``LookupError`` (the restart path). Checkpoints, live peers and every other
+reader see the optimizer state in the class layout
 (``class_opt_states``), so they stay logical and plan-independent.
-Source: Rajbhandari et al., ZeRO (arXiv:1910.02054), stage 1 (optimizer
-state partitioned over data-parallel ranks), over the NTP peer groups
+Source: Rajbhandari et al., ZeRO (arXiv:1910.02054), stages 1 (optimizer
+state partitioned over data-parallel ranks) and 2 (gradients too), over the
+NTP peer groups
 (Arfeen et al., arXiv:2504.06095, Sec. 4.2).
 """
 
@@ -84,12 +96,22 @@ class ZeroSettings:
       mask the replicated optimizer uses.
     clip_norm: clip the global gradient norm to this (0: off).
     copies: replicas holding each piece (``train.optimizer_copies``).
+    stage: 1 (``zero1``: each micro-batch's gradient summed into a full buffer on the
+      device, reduce-scattered once per step) or 2 (``zero2``: each micro-batch's
+      gradient reduce-scattered at once into a float32 piece, so no device holds a
+      whole step's gradient).
   """
 
   optimizer: optax.GradientTransformation
   decay_mask: Callable[[Any], Any]
   clip_norm: float
   copies: int = 1
+  stage: int = 1
+
+  @property
+  def name(self) -> str:
+    """``zero1`` or ``zero2`` (``train.optimizer_sharding``)."""
+    return f"zero{self.stage}"
 
 
 DecayRuns = tuple[tuple[str, tuple[tuple[int, int], ...]], ...]
@@ -157,14 +179,13 @@ def _specs(tree):
 
 
 class ShardedOptimizer:
-  """The programs of ZeRO-1 over a plan's peer groups (stateless: the state is passed in).
+  """The programs of ZeRO-1/2 over a plan's peer groups (stateless: the state is passed in).
 
   Args:
     sync: the plan's ``sync.CrossClassSync`` (its core devices and their assembly).
     settings: a ``ZeroSettings``.
     runs: where the decayed parameters lie in the buffers (``decay_runs``).
 
-  Raises:
   With fewer live replicas than ``settings.copies`` (failures dropped replicas), every
   live replica holds every piece.
   """
@@ -180,6 +201,8 @@ class ShardedOptimizer:
     self._scatter = jax.jit(self._scatter_fn)
     self._gather = jax.jit(self._gather_fn, static_argnames=("lengths",))
     self._start = jax.jit(self._start_fn)
+    self._accumulate = jax.jit(self._accumulate_fn, donate_argnums=(1,))
+    self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1), static_argnames=("lengths",))
 
   # -- the programs ---------------------------------------------------------------------------
 
@@ -218,44 +241,88 @@ class ShardedOptimizer:
     opt = tree_utils.tree_set(opt, mu=mu, nu=nu, count=count)
     return {"master": params, "opt": opt}
 
+  def _reduce_local(self, x: jax.Array) -> jax.Array:
+    """Inside a body: this device's ``[1, 1, L]`` buffer -> its piece summed over every
+    live replica of its peer group, float32 ``[ceil(L / P)]``."""
+    n = -(-x.shape[-1] // self.pieces)
+    summed = jax.lax.psum_scatter(jnp.pad(x[0, 0], (0, n * self.pieces - x.shape[-1])), PIECE,
+                                  scatter_dimension=0, tiled=True)
+    return jax.lax.psum(summed, COPY).astype(MASTER_DTYPE)
+
+  def _apply_local(self, summed: dict, lengths: dict, state: dict, loss: jax.Array
+                   ) -> tuple[dict, dict, dict]:
+    """Inside a body: clip by the global norm and update the pieces from the summed
+    gradient pieces ``summed`` (``dtype -> [n]``, the float32 buffer's loss element
+    included), then all-gather the new master weights in each buffer's dtype."""
+    settings = self.settings
+    state = jax.tree.map(_unlead, state)
+    piece = jax.lax.axis_index(PIECE)
+    g, decays = {}, {}
+    for name, x in summed.items():
+      n = x.shape[0]
+      # The float32 buffer ends with the replica's loss: no parameter of its own.
+      data = lengths[name] - 1 if name == LOSS_DTYPE else lengths[name]
+      index = piece * n + jnp.arange(n)
+      g[name] = jnp.where(index < data, x, 0)
+      decays[name] = sum(((index >= a) & (index < b) for a, b in self.runs.get(name, ())),
+                         start=jnp.zeros((n,), bool)).astype(MASTER_DTYPE)
+    squares = sum(jnp.sum(jnp.square(v)) for v in g.values())
+    norm = jnp.sqrt(jax.lax.psum(squares, (PIECE, PEER)))
+    if settings.clip_norm:
+      scale = jnp.where(norm > settings.clip_norm, settings.clip_norm / norm, 1.0)
+      g = {name: v * scale for name, v in g.items()}
+    master = state["master"]
+    decayed = {name: master[name] * decays[name] for name in master}
+    updates, opt = settings.optimizer.update(g, state["opt"], decayed)
+    master = optax.apply_updates(master, updates)
+    full = {name: _lead(jax.lax.all_gather(master[name].astype(name), PIECE, axis=0,
+                                           tiled=True)[:lengths[name]])
+            for name in master}
+    new_state = jax.tree.map(_lead, {"master": master, "opt": opt})
+    return full, new_state, {"loss": loss[None, None], "grad_norm": norm[None, None]}
+
   def _update_fn(self, grads: dict, state: dict) -> tuple[dict, dict, dict]:
-    settings, pieces = self.settings, self.pieces
+    """zero1's step: reduce-scatter the whole step's gradient buffers, update, gather."""
 
     def body(local, state):
-      state = jax.tree.map(_unlead, state)
-      piece = jax.lax.axis_index(PIECE)
-      g, lengths, decays = {}, {}, {}
-      for name, x in local.items():  # x: [1, 1, L], this replica's gradient at this position
-        lengths[name] = length = x.shape[-1]
-        n = -(-length // pieces)
-        summed = jax.lax.psum_scatter(jnp.pad(x[0, 0], (0, n * pieces - length)), PIECE,
-                                      scatter_dimension=0, tiled=True)
-        summed = jax.lax.psum(summed, COPY).astype(MASTER_DTYPE)
-        # The float32 buffer ends with the replica's loss: no parameter of its own.
-        data = length - 1 if name == LOSS_DTYPE else length
-        index = piece * n + jnp.arange(n)
-        g[name] = jnp.where(index < data, summed, 0)
-        decays[name] = sum(((index >= a) & (index < b) for a, b in self.runs.get(name, ())),
-                           start=jnp.zeros((n,), bool)).astype(MASTER_DTYPE)
+      lengths = {name: x.shape[-1] for name, x in local.items()}
+      summed = {name: self._reduce_local(x) for name, x in local.items()}
       loss = jax.lax.psum(local[LOSS_DTYPE][0, 0, -1], (COPY, PIECE))
-      squares = sum(jnp.sum(jnp.square(v)) for v in g.values())
-      norm = jnp.sqrt(jax.lax.psum(squares, (PIECE, PEER)))
-      if settings.clip_norm:
-        scale = jnp.where(norm > settings.clip_norm, settings.clip_norm / norm, 1.0)
-        g = {name: v * scale for name, v in g.items()}
-      master = state["master"]
-      decayed = {name: master[name] * decays[name] for name in master}
-      updates, opt = settings.optimizer.update(g, state["opt"], decayed)
-      master = optax.apply_updates(master, updates)
-      full = {name: _lead(jax.lax.all_gather(master[name].astype(name), PIECE, axis=0,
-                                             tiled=True)[:lengths[name]])
-              for name in master}
-      new_state = jax.tree.map(_lead, {"master": master, "opt": opt})
-      return full, new_state, {"loss": loss[None, None], "grad_norm": norm[None, None]}
+      return self._apply_local(summed, lengths, state, loss)
 
     specs = _specs(state)
     full, state, metrics = self._map(body, (PIECE_SPEC, specs),
                                      (PIECE_SPEC, specs, PIECE_SPEC), grads, state)
+    return full, state, {k: v[0, 0] for k, v in metrics.items()}
+
+  def _accumulate_fn(self, grads: dict, total: dict | None) -> dict:
+    """zero2, one micro-batch: its gradient buffers reduce-scattered into the float32
+    pieces, added to ``total`` (the earlier micro-batches' pieces; None: the first)."""
+    if total is None:
+      return self._map(lambda local: {name: _lead(self._reduce_local(x))
+                                      for name, x in local.items()},
+                       (PIECE_SPEC,), PIECE_SPEC, grads)
+    return self._map(lambda local, total: {name: total[name] + _lead(self._reduce_local(x))
+                                           for name, x in local.items()},
+                     (PIECE_SPEC, PIECE_SPEC), PIECE_SPEC, grads, total)
+
+  def _apply_fn(self, total: dict, state: dict, lengths: tuple[tuple[str, int], ...]
+                ) -> tuple[dict, dict, dict]:
+    """zero2's update from the summed pieces (``_accumulate_fn``); ``lengths``: each
+    buffer's ``L``. The step's loss is the float32 buffer's last element, summed with the
+    gradients."""
+    length = dict(lengths)
+
+    def body(total, state):
+      summed = {name: _unlead(x) for name, x in total.items()}
+      last = summed[LOSS_DTYPE]
+      index = jax.lax.axis_index(PIECE) * last.shape[0] + jnp.arange(last.shape[0])
+      loss = jax.lax.psum(jnp.sum(jnp.where(index == length[LOSS_DTYPE] - 1, last, 0)), PIECE)
+      return self._apply_local(summed, length, state, loss)
+
+    specs = _specs(state)
+    full, state, metrics = self._map(body, (PIECE_SPEC, specs),
+                                     (PIECE_SPEC, specs, PIECE_SPEC), total, state)
     return full, state, {k: v[0, 0] for k, v in metrics.items()}
 
   # -- on the classes -------------------------------------------------------------------------
@@ -275,8 +342,8 @@ class ShardedOptimizer:
       count = tree_utils.tree_get_all_with_path(first.opt_state, "count")[0][1]
       tree_utils.tree_get(first.opt_state, "mu"), tree_utils.tree_get(first.opt_state, "nu")
     except (KeyError, IndexError):
-      raise ValueError("train.optimizer_sharding=zero1 shards Adam's moments (mu, nu); this "
-                       "optimizer's state has none") from None
+      raise ValueError(f"train.optimizer_sharding={self.settings.name} shards Adam's moments "
+                       "(mu, nu); this optimizer's state has none") from None
 
     def packed(read):
       return self._scatter(self.sync.stack([p.step.pack(read(p)) if here else None
@@ -303,6 +370,23 @@ class ShardedOptimizer:
     """
     full, state, metrics = self._update(self.sync.stack(class_buffers, self.sharding), state)
     return self.sync.unstack(class_buffers, full), state, metrics
+
+  def accumulate(self, class_buffers: list[dict | None], total: dict | None = None) -> dict:
+    """zero2: one micro-batch's gradient buffers (per class, as for ``step``; a class with
+    no micro-batch left gives zeros) reduce-scattered and added to ``total`` (donated; None
+    for the first micro-batch). Returns the summed pieces, float32 ``[live replicas,
+    t_min, ceil(L / pieces)]`` per dtype."""
+    return self._accumulate(self.sync.stack(class_buffers, self.sharding), total)
+
+  def apply(self, total: dict, state: dict, templates: list[dict | None]
+            ) -> tuple[list[dict | None], dict, dict]:
+    """zero2: the update from the summed pieces (``accumulate``; donated), as ``step``
+    returns it. ``templates``: per class, buffers of the gradient buffers' shapes (the
+    last micro-batch's), whose positions past ``t_min`` the result keeps."""
+    first = next(t for t in templates if t is not None)
+    lengths = tuple(sorted((name, x.shape[-1]) for name, x in first.items()))
+    full, state, metrics = self._apply(total, state, lengths=lengths)
+    return self.sync.unstack(templates, full), state, metrics
 
   def class_opt_states(self, state: dict, programs: Sequence[Any], shapes: Sequence[Any],
                        dead: Collection[jax.Device] = frozenset()) -> list[Any]:
@@ -342,8 +426,8 @@ class ShardedOptimizer:
       filled = tree_utils.tree_set(shape, mu=mu, nu=nu,
                                    count=jax.device_put(count, replicated))
       if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(filled)):
-        raise ValueError("train.optimizer_sharding=zero1: the optimizer state holds more than "
-                         "Adam's count, mu and nu")
+        raise ValueError(f"train.optimizer_sharding={self.settings.name}: the optimizer state "
+                         "holds more than Adam's count, mu and nu")
       out.append(filled)
     return out
 
@@ -369,19 +453,44 @@ class ShardedOptimizer:
     """Every program of this object a plan runs, lowered for abstract arguments: cutting
     a class layout's state into pieces and starting from them (``start``), the update
     (``step``), and the gathering that gives the state back (``class_opt_states``).
-    ``(what, lowered)`` each; ``class_blocks`` as for ``lower``."""
+    ``(what, lowered)`` each; ``class_blocks`` as for ``lower_step``."""
     buffers = self._abstract_buffers(class_blocks[0])
     state = self.abstract_state(class_blocks)
     pieces = state["master"]
     count = tree_utils.tree_get_all_with_path(state["opt"], "count")[0][1]
     return [("sharded optimizer (into pieces)", self._scatter.lower(buffers)),
             ("sharded optimizer (start)", self._start.lower(pieces, pieces, pieces, count)),
-            ("sharded optimizer (update)", self._update.lower(buffers, state)),
+            *self.lower_step(class_blocks),
             ("sharded optimizer (gather)", self.lower_gather(class_blocks))]
+
+  def lower_step(self, class_blocks: Sequence[dict[str, Any]]
+                 ) -> list[tuple[str, jax.stages.Lowered]]:
+    """The programs of one step after the classes' gradient halves, lowered for abstract
+    arguments: zero1, the update (``step``); zero2, the first micro-batch's reduction, a
+    later one's (``accumulate``) and the update from the pieces (``apply``). ``(what,
+    lowered)`` each; compiling them ahead makes the first step compile nothing, and their
+    memory analyses are one core device's.
+
+    Args:
+      class_blocks: each class's sync buffers (``steps.abstract_sync_blocks``:
+        ``dtype -> [replicas, degree, L]``); only their dtypes and ``L`` are read.
+
+    Raises:
+      ValueError: no class's buffers given.
+    """
+    buffers = self._abstract_buffers(class_blocks[0])
+    state = self.abstract_state(class_blocks)
+    if self.settings.stage == 1:
+      return [("sharded optimizer (update)", self._update.lower(buffers, state))]
+    total = state["master"]
+    lengths = tuple(sorted((name, x.shape[-1]) for name, x in class_blocks[0].items()))
+    return [("sharded optimizer (first micro-batch)", self._accumulate.lower(buffers, None)),
+            ("sharded optimizer (next micro-batch)", self._accumulate.lower(buffers, total)),
+            ("sharded optimizer (update)", self._apply.lower(total, state, lengths=lengths))]
 
   def lower_gather(self, class_blocks: Sequence[dict[str, Any]]) -> jax.stages.Lowered:
     """The gathering of a moment's pieces into whole buffers (``class_opt_states``),
-    lowered; ``class_blocks`` as for ``lower``."""
+    lowered; ``class_blocks`` as for ``lower_step``."""
     lengths = tuple(sorted((name, x.shape[-1]) for name, x in class_blocks[0].items()))
     return self._gather.lower(self.abstract_state(class_blocks)["master"], lengths=lengths)
 
@@ -415,20 +524,6 @@ class ShardedOptimizer:
     replicas, t_min = self.sync.mesh.devices.shape
     return {name: jax.ShapeDtypeStruct((replicas, t_min, x.shape[-1]), x.dtype,
                                        sharding=self.sharding) for name, x in blocks.items()}
-
-  def lower(self, class_blocks: Sequence[dict[str, Any]]) -> jax.stages.Lowered:
-    """The update program of ``step``, lowered for abstract arguments: the gradients
-    ``dtype -> [live replicas, t_min, L]`` and the state (``abstract_state``). Compiling it
-    ahead makes the first step compile nothing; its memory analysis is one core device's.
-
-    Args:
-      class_blocks: each class's sync buffers (``steps.abstract_sync_blocks``).
-
-    Raises:
-      ValueError: no class's buffers given.
-    """
-    state = self.abstract_state(class_blocks)
-    return self._update.lower(self._abstract_buffers(class_blocks[0]), state)
 
 
 def cached_sharded_optimizer(cache, sync_key, sync: CrossClassSync, settings: ZeroSettings,

@@ -32,7 +32,8 @@ from ntp_jax.resilience.events import Event, check_events, parse_events
 
 PRECOMPILE = ("auto", "next_failure", "none")  # ``ntp.precompile`` (ntp_jax.training.precompile)
 RECOVERY = ("live", "restart")  # where a failure's new plan takes its state (``ntp.recovery``)
-OPTIMIZER_SHARDING = ("replicated", "zero1")  # ``train.optimizer_sharding`` (parallel.zero)
+# ``train.optimizer_sharding`` (ntp_jax.parallel.zero)
+OPTIMIZER_SHARDING = ("replicated", "zero1", "zero2")
 FailedSlots = frozenset[tuple[int, int]]
 
 
@@ -82,7 +83,7 @@ class TrainConfig:
   weight_decay: float
   clip_norm: float
   optimizer_sharding: str  # one of OPTIMIZER_SHARDING
-  optimizer_copies: int  # zero1: replicas holding each piece of the optimizer state
+  optimizer_copies: int  # zero1/zero2: replicas holding each piece of the optimizer state
   log_every: int
   eval_every: int  # 0: no validation loss
   eval_sequences: int
@@ -325,7 +326,8 @@ def _train_section(reader: _Reader) -> TrainConfig:
                       f"{', '.join(OPTIMIZER_SHARDING)}")
   if train.optimizer_sharding == "replicated" and train.optimizer_copies != 1:
     raise ConfigError(f"train.optimizer_copies: {train.optimizer_copies} copies need "
-                      "train.optimizer_sharding=zero1 (a replicated state is on every replica)")
+                      "train.optimizer_sharding=zero1 or zero2 (a replicated state is on every "
+                      "replica)")
   if train.eval_every and train.eval_sequences < 1:
     raise ConfigError(f"train.eval_sequences: must be >= 1, got {train.eval_sequences}")
   return train

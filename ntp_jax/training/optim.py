@@ -42,7 +42,7 @@ def zero_settings(train: TrainConfig) -> ZeroSettings | None:
   if train.optimizer_sharding == "replicated":
     return None
   return ZeroSettings(make_optimizer(train, masked=False), decay_mask, train.clip_norm,
-                      train.optimizer_copies)
+                      train.optimizer_copies, stage=int(train.optimizer_sharding[-1]))
 
 
 def decay_mask(params: nnx.State) -> nnx.State:

@@ -26,15 +26,18 @@ def adamw(masked=True):
   return optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask if masked else None)
 
 
-def job(tp, dp, failed="", copies=None, rebalance="equal"):
+def job(tp, dp, failed="", copies=None, rebalance="equal", stage=1, batch_size=None,
+        microbatches=1):
   """A JobStep on SMALL (split halves); ``copies``: the sharded optimizer with that many
-  copies, None: replicated."""
+  copies (``stage`` 1 or 2), None: replicated."""
   plan = make_plan(functools.partial(model_layouts, SMALL), tp=tp, dp=dp,
-                   failed=parse_failed(failed, dp, tp), batch_size=2 * dp, rebalance=rebalance)
+                   failed=parse_failed(failed, dp, tp), batch_size=batch_size or 2 * dp,
+                   rebalance=rebalance, microbatches=microbatches)
   programs = build_class_programs(plan, lambda layouts: GPT(SMALL, layouts, rngs=nnx.Rngs(0)),
                                   adamw(), CLIP, plan.global_batch * SEQ,
                                   jax.devices()[:tp * dp], split=True)
-  zero = None if copies is None else ZeroSettings(adamw(masked=False), decay_mask, CLIP, copies)
+  zero = None if copies is None else ZeroSettings(adamw(masked=False), decay_mask, CLIP, copies,
+                                                  stage=stage)
   return JobStep(plan, programs, split=True, zero=zero)
 
 
@@ -54,6 +57,12 @@ def spoil(array, dead):
   shards = [jax.device_put(np.full(s.data.shape, np.nan, s.data.dtype), s.device)
             if s.device in dead else s.data for s in array.addressable_shards]
   return jax.make_array_from_single_device_arrays(array.shape, array.sharding, shards)
+
+
+def near_in_norm(got, want, tolerance):
+  """``got`` within ``tolerance`` of ``want``'s norm (equal when that is 0)."""
+  error = np.linalg.norm(np.ravel(got - want))
+  assert error <= tolerance * np.linalg.norm(np.ravel(want)), (error, np.linalg.norm(want))
 
 
 def test_piece_count_keeps_the_copies():
@@ -81,6 +90,31 @@ def test_a_sharded_step_gives_the_replicated_loss_norm_and_moments(copies):
     assert_trees_close(opt_b, opt_a, rtol=1e-6, atol=1e-13)
     assert_trees_close(params_b, params_a, rtol=1e-5, atol=1e-7)
   a, b = replicated(global_batch(4, 1)), sharded(global_batch(4, 1))
+  np.testing.assert_allclose(float(b["loss"]), float(a["loss"]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("microbatches, counts", [(4, [4, 3]), (2, [2, 2])])
+def test_a_zero2_step_reduces_each_micro_batch_and_gives_the_replicated_step(microbatches,
+                                                                            counts):
+  """zero2, degrees 4 and 3 with proportional shares of 4 and 3 rows: in 1-row micro-batches
+  (4 and 3 of them: the degree-3 class adds zeros in the last round), and in 2-row ones (its
+  3 rows as 2 + 1: two sizes); loss, norm and moments as the replicated step's."""
+  kwargs = dict(failed="1:3", rebalance="proportional", batch_size=8,
+                microbatches=microbatches)
+  replicated, sharded = job(4, 2, **kwargs), job(4, 2, copies=1, stage=2, **kwargs)
+  assert [c.microbatches for c in sharded.plan.classes] == counts
+  a, b = steps(replicated, 1)[0], steps(sharded, 1)[0]
+  np.testing.assert_allclose(float(b["loss"]), float(a["loss"]), rtol=1e-6)
+  np.testing.assert_allclose(float(b["grad_norm"]), float(a["grad_norm"]), rtol=1e-6)
+  assert float(a["grad_norm"]) > CLIP
+  # The micro-batches are summed across replicas first, then over the rounds: entries that
+  # cancel round differently, so each leaf is compared against its norm (the parameters,
+  # after Adam's division, as in the test above).
+  for (params_a, opt_a), (params_b, opt_b) in zip(class_states(replicated),
+                                                  class_states(sharded)):
+    jax.tree.map(lambda x, y: near_in_norm(x, y, 1e-6), opt_b, opt_a)
+    jax.tree.map(lambda x, y: near_in_norm(x, y, 1e-5), params_b, params_a)
+  a, b = replicated(global_batch(8, 1)), sharded(global_batch(8, 1))
   np.testing.assert_allclose(float(b["loss"]), float(a["loss"]), rtol=1e-6)
 
 
