@@ -478,8 +478,8 @@ class ShardedOptimizer:
     Raises:
       ValueError: no class's buffers given.
     """
-    buffers = self._abstract_buffers(class_blocks[0])
     state = self.abstract_state(class_blocks)
+    buffers = self._abstract_buffers(class_blocks[0])
     if self.settings.stage == 1:
       return [("sharded optimizer (update)", self._update.lower(buffers, state))]
     total = state["master"]

@@ -12,12 +12,14 @@ layers).
 
 The optimizer state is counted as the run keeps it: replicated (the class
 state's moments, on every replica), or with
-``train.optimizer_sharding=zero1`` (a ``zero.ZeroSettings``) the sharded
+``train.optimizer_sharding=zero1`` or ``zero2`` (a ``zero.ZeroSettings``) the sharded
 state a core device holds (float32 master weights and Adam moments, one
 piece of each sync buffer: ``ShardedOptimizer.abstract_state``);
 its temporaries and outputs are then those of the programs zero1 runs, each
 class's gradient half (``SplitStep.grad``) and the sharded update
-(``ShardedOptimizer.lower``).
+(``ShardedOptimizer.lower_step``); with ``zero2``, one micro-batch's
+gradient half (``SplitStep.micro_grad``), the reductions into the summed
+pieces and the update from them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import optax
 from flax import nnx
 
 from ntp_jax.analysis.cost import flops_of
+from ntp_jax.parallel.accumulate import micro_starts
 from ntp_jax.parallel.plan import Plan, ReplicaClass
 from ntp_jax.parallel.programs import (
   ClassProgram,
@@ -61,17 +64,18 @@ class ClassFootprint:
     replica_class: the class.
     params: parameter bytes (its padded blocks and replicated variables).
     opt_state: optimizer state bytes: replicated, the class state's (Adam
-      moments follow their parameter); zero1, a core device's piece of the
+      moments follow their parameter); zero1/zero2, a core device's piece of the
       sharded state (the most any device of the class holds; devices past
       the core slots hold none).
     temp: XLA's temporary buffers of the step (activations kept for the
       backward pass, gradients, workspace); with several programs (several
-      classes, or zero1) the largest of theirs.
+      classes, or zero1/zero2) the largest of theirs.
     batch: token bytes of the class's batch rows.
     outputs: step outputs not written in place of a donated input: the
       largest of the programs'; zero1, the gradient buffers plus what the
       sharded update gives back (the buffers are its argument, so both live
-      at once).
+      at once); zero2, one micro-batch's gradient buffers, the float32 summed
+      pieces and what the update gives back.
     flops: flops per device per step (None when not computed).
     optimizer: how the optimizer state is held (``optimizer_label``).
     extended_from: ``(a, b)``: ``temp`` and ``outputs`` extended linearly in depth from
@@ -137,7 +141,8 @@ def abstract_program(plan: Plan, replica_class: ReplicaClass,
 
 
 def optimizer_label(zero: ZeroSettings | None, replicas: int) -> str:
-  """``replicated``, or ``zero1 k=2 (2 pieces)``: the optimizer state's layout over
+  """``replicated``, or ``zero1 k=2 (2 pieces)`` (``zero2 ...``): the optimizer state's
+  layout over
   ``replicas`` live replicas.
 
   Raises:
@@ -146,7 +151,7 @@ def optimizer_label(zero: ZeroSettings | None, replicas: int) -> str:
   if zero is None:
     return "replicated"
   pieces = piece_count(replicas, zero.copies)
-  return f"zero1 k={zero.copies} ({pieces} piece{'s' if pieces > 1 else ''})"
+  return f"{zero.name} k={zero.copies} ({pieces} piece{'s' if pieces > 1 else ''})"
 
 
 def sync_buffer_lengths(plan: Plan, make_model: Callable[[Any], nnx.Module]) -> dict[str, int]:
@@ -265,10 +270,11 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       placed there).
     unrolled: run micro-batches in a Python loop, not under ``lax.scan``, so
       that the flops count every one (pass with an unrolled model).
-    zero: the sharded optimizer (``train.optimizer_sharding=zero1``,
+    zero: the sharded optimizer (``train.optimizer_sharding=zero1`` or ``zero2``,
       ``optim.zero_settings``); None: replicated. With it the classes run their
-      gradient halves and the sharded update (``ShardedOptimizer.lower``), and
-      ``opt_state`` is a core device's piece of the sharded state.
+      gradient halves (zero2: per micro-batch) and the sharded update
+      (``ShardedOptimizer.lower_step``), and ``opt_state`` is a core device's piece
+      of the sharded state.
     compiled: a memo of compiled programs, for several calls on the same model,
       optimizer and ``seq_len`` (a gradient half is compiled once for every choice of
       ``zero``); default: none kept.
@@ -277,7 +283,7 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
     One ``ClassFootprint`` per class; ``flops`` is XLA's cost analysis of the
     program as compiled (a scanned loop body counted once: see
     ``per_device_flops``); with ``zero`` each class's flops include the sharded
-    update's (a core device's).
+    update's (a core device's; zero2, and a reduction per micro-batch round).
 
   Raises:
     ValueError: ``zero`` asks for more copies than live replicas.
@@ -297,14 +303,15 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       raise OverflowError(f"a sync buffer of {longest:,} elements per core device: the "
                           f"sharded optimizer indexes it with int32 (at most {INT32_MAX:,})")
 
-  def compile_once(key, jitted, *args):
+  def compile_once(key, jitted, *args, **static):
     key = (plan.classes, seq_len, unrolled) + key
     if key not in memo:
-      memo[key] = jitted.lower(*args).compile()
+      memo[key] = jitted.lower(*args, **static).compile()
     return memo[key]
 
-  classes = []
+  classes, rounds = [], 1
   for i, replica_class in enumerate(plan.classes):
+    runs = None  # zero2: how many micro-batches of each compiled size the class runs
     program, batch = abstract_program(plan, replica_class, make_model, optimizer, seq_len,
                                       devices)
     state = (program.graphdef, program.params, program.opt_state, program.mesh, settings)
@@ -314,41 +321,57 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       step = FusedStep.build(*state, **micro)
       programs = [compile_once((i, "fused"), step.step, program.params, program.opt_state,
                                batch)]
+    elif zero is not None and zero.stage == 2:  # one micro-batch's gradient half per size
+      step = SplitStep.build(*state, t_min, **micro)
+      starts = micro_starts(replica_class.batch_share, replica_class.microbatches)
+      start = jax.ShapeDtypeStruct((), np.int32)
+      programs = [compile_once((i, "micro", size), step.micro_grad, program.params, batch,
+                               start, size=size) for size in sorted({s for _, s in starts})]
+      runs = [sum(s == size for _, s in starts) for size in sorted({s for _, s in starts})]
     else:
       step = SplitStep.build(*state, t_min, **micro)
       programs = [compile_once((i, "grad"), step.grad, program.params, batch)]
-      if zero is None:  # the replicated update half (zero1 runs the sharded update instead)
+      if zero is None:  # the replicated update half (zero runs the sharded update instead)
         blocks = abstract_sync_blocks(step.grad, program.params, batch, program.mesh)
         programs.append(compile_once((i, "update"), step.update, program.params,
                                      program.opt_state, blocks))
-    classes.append((program, batch, step, programs))
+    classes.append((program, batch, step, programs, runs))
+    rounds = max(rounds, replica_class.microbatches)
 
   update, opt_bytes = None, None
   if zero is not None:
     sharded = sharded_optimizer(plan, devices, zero)
     blocks = [abstract_sync_blocks(step.grad, program.params, batch, program.mesh)
-              for program, batch, step, _ in classes]
+              for program, batch, step, _, _ in classes]
     # Keyed by what the memo's contract leaves open (the optimizer's settings are fixed).
-    key = (plan.classes, seq_len, unrolled, "zero", zero.copies, zero.clip_norm)
+    key = (plan.classes, seq_len, unrolled, "zero", zero.copies, zero.clip_norm, zero.stage)
     if key not in memo:
-      memo[key] = sharded.lower(blocks).compile()
+      memo[key] = [lowered.compile() for _, lowered in sharded.lower_step(blocks)]
     update = memo[key]
-    opt_bytes = device_bytes(sharded.abstract_state(blocks))
+    state = sharded.abstract_state(blocks)
+    opt_bytes = device_bytes(state)
+    total_bytes = device_bytes(state["master"])  # zero2's summed pieces: one per element
 
   out = []
-  for program, batch, _, programs in classes:
+  for program, batch, _, programs, runs in classes:
     memory = [c.memory_analysis() for c in programs]
     fresh = [int(m.output_size_in_bytes - m.alias_size_in_bytes) for m in memory]
-    flops = sum(flops_of(c) for c in programs)
+    if runs is None:
+      flops = sum(flops_of(c) for c in programs)
+    else:  # each micro-batch size's program as often as the class runs it
+      flops = sum(n * flops_of(c) for n, c in zip(runs, programs))
     if update is None:
       temp, outputs, opt = (max(int(m.temp_size_in_bytes) for m in memory), max(fresh),
                             device_bytes(program.opt_state))
     else:
-      sharded_memory = update.memory_analysis()
-      temp = max(int(m.temp_size_in_bytes) for m in memory + [sharded_memory])
-      outputs = fresh[0] + int(sharded_memory.output_size_in_bytes
-                               - sharded_memory.alias_size_in_bytes)
-      opt, flops = opt_bytes, flops + flops_of(update)
+      sharded_memory = [c.memory_analysis() for c in update]
+      temp = max(int(m.temp_size_in_bytes) for m in memory + sharded_memory)
+      last = sharded_memory[-1]  # the update: its argument buffers live with its outputs
+      outputs = max(fresh) + int(last.output_size_in_bytes - last.alias_size_in_bytes)
+      opt, flops = opt_bytes, flops + flops_of(update[-1])
+      if zero.stage == 2:  # the summed pieces live through the step; a reduction per round
+        outputs += total_bytes
+        flops += flops_of(update[0]) + (rounds - 1) * flops_of(update[1])
     out.append(ClassFootprint(
         replica_class=program.replica_class, params=device_bytes(program.params),
         opt_state=opt, temp=temp, batch=device_bytes(batch), outputs=outputs, flops=flops,

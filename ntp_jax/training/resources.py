@@ -197,18 +197,20 @@ class Choice:
 
 
 def _choices(config: RunConfig) -> list[ZeroSettings | None]:
-  """Replicated, zero1 with one copy, and with two when there are two replicas."""
+  """Replicated, then zero1 and zero2 each with one copy, and with two when there are two
+  replicas."""
   out: list[ZeroSettings | None] = [None]
-  for copies in (1, 2)[:config.mesh.dp]:
-    out.append(zero_settings(dataclasses.replace(config.train, optimizer_sharding="zero1",
-                                                 optimizer_copies=copies)))
+  for sharding in ("zero1", "zero2"):
+    for copies in (1, 2)[:config.mesh.dp]:
+      out.append(zero_settings(dataclasses.replace(config.train, optimizer_sharding=sharding,
+                                                   optimizer_copies=copies)))
   return out
 
 
 def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any], *,
                       compiled: dict | None = None) -> list[Choice]:
-  """Per-device memory of each optimizer-state choice (replicated; zero1 with 1 copy, and
-  2 with two replicas or more) on ``config``'s mesh, healthy and with one failed slot
+  """Per-device memory of each optimizer-state choice (replicated; zero1 and zero2 with 1
+  copy, and 2 with two replicas or more) on ``config``'s mesh, healthy and with one failed slot
   (replica 0's last; none with ``mesh.tp=1``). Abstract shapes only: each class's programs
   compiled once for every choice (``class_footprints``; ``compiled`` shared with the
   caller's own footprint of the configured plan). A choice whose step cannot be built at
@@ -252,17 +254,18 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
 
 
 def choice_state_bytes(choice: Choice, replicas: int) -> int:
-  """A core device's sharded state for ``choice`` (zero1) with ``replicas`` live replicas:
+  """A core device's sharded state for ``choice`` (zero1 or zero2) with ``replicas`` live replicas:
   ``ceil(L / pieces)`` elements of each buffer times the state's bytes per element."""
   pieces = piece_count(replicas, choice.zero.copies)
   return sum(-(-n // pieces) * choice.element_bytes[name] for name, n in choice.lengths.items())
 
 
 def smallest_dp(choice: Choice, capacity: int, limit: int = 4096) -> int | None:
-  """The fewest replicas at which ``choice`` (zero1) fits ``capacity`` bytes per device,
-  each replica keeping its batch share and micro-batches, with the temporaries and
-  outputs measured on this mesh (the update's piece-sized temporaries only shrink with
-  more replicas: an upper bound); None when none up to ``limit`` does."""
+  """The fewest replicas at which ``choice`` (zero1 or zero2) fits ``capacity`` bytes per
+  device, each replica keeping its batch share and micro-batches, with the temporaries and
+  outputs measured on this mesh (the update's piece-sized temporaries and zero2's summed
+  pieces only shrink with more replicas: an upper bound); None when none up to ``limit``
+  does."""
   for replicas in range(choice.zero.copies, limit + 1):
     if choice.base + choice_state_bytes(choice, replicas) <= capacity:
       return replicas
@@ -282,8 +285,8 @@ def comparison_capacity(devices: Sequence[Any]) -> tuple[int, str]:
 def comparison_table(choices: Sequence[Choice], capacity: int, device: str, tp: int,
                      dp: int) -> str:
   """The choices as one table (per-device GiB of the fullest device of each plan), which
-  fits ``capacity`` at each TP degree, and, when no zero1 choice fits, the smallest DP
-  at which one would."""
+  fits ``capacity`` at each TP degree, and, when no sharded choice fits, the smallest DP
+  at which the one with the least besides its state would."""
   header = ("plan", "fullest device's TP degree", "optimizer", "params", "grads", "opt state",
             "temp", "peak", f"fits {capacity / GIB:.0f} GiB", "temp from")
   rows = []
@@ -297,7 +300,7 @@ def comparison_table(choices: Sequence[Choice], capacity: int, device: str, tp: 
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
   fmt = "  ".join(f"{{:<{w}}}" if i < 3 else f"{{:>{w}}}" for i, w in enumerate(widths))
   lines = [f"optimizer state choices on {dp} x {tp}, per device (GiB, the fullest device of "
-           f"each plan; zero1: a core device) against {capacity / GIB:.0f} GiB ({device}):",
+           f"each plan; zero1/zero2: a core device) against {capacity / GIB:.0f} GiB ({device}):",
            fmt.format(*header)] + [fmt.format(*r) for r in rows]
   if any(c.worst.extended_from for c in choices):
     lines.append("temp from layers a, b: temp and outputs extended linearly to full depth "
@@ -313,13 +316,14 @@ def comparison_table(choices: Sequence[Choice], capacity: int, device: str, tp: 
                  + (", ".join(fitting) if fitting else "none"))
     sharded = [c for c in mine if c.zero is not None]
     if sharded and not any(c.worst.peak <= capacity for c in sharded):
-      best = min(sharded, key=lambda c: c.zero.copies)
+      best = min(sharded, key=lambda c: (c.zero.copies, c.base))
       dp_fit = smallest_dp(best, capacity)
       lines.append(
-          f"  zero1 k={best.zero.copies} fits from DP {dp_fit} (same batch share per replica)"
-          if dp_fit is not None else
-          f"  zero1 at no DP: without any optimizer state the device needs "
-          f"{best.base / GIB:.1f} GiB (params, batch, temp, outputs)")
+          f"  {best.zero.name} k={best.zero.copies} fits from DP {dp_fit} (same batch share "
+          "per replica)" if dp_fit is not None else
+          f"  no DP fits: {best.zero.name} k={best.zero.copies}, the least besides its "
+          f"optimizer state, needs {best.base / GIB:.1f} GiB per device for parameters, "
+          "batch, temporaries and outputs alone")
   return "\n".join(lines)
 
 

@@ -136,12 +136,13 @@ def test_dry_run_allocates_nothing_and_reports_every_class(tmp_path):
   assert "dry run: the devices can hold this plan" in logged
   # With two replicas, one table of the optimizer-state choices, healthy and degraded.
   table = next(line for line in logged if line.startswith("optimizer state choices on 2 x 4"))
-  rows = table.splitlines()[2:8]
-  assert [r.split()[0] for r in rows] == ["healthy"] * 3 + ["1"] * 3
-  for row, label in zip(rows, ["replicated", "zero1 k=1 (2 pieces)", "zero1 k=2 (1 piece)"] * 2):
+  rows = table.splitlines()[2:12]
+  assert [r.split()[0] for r in rows] == ["healthy"] * 5 + ["1"] * 5
+  labels = ["replicated", "zero1 k=1 (2 pieces)", "zero1 k=2 (1 piece)", "zero2 k=1 (2 pieces)",
+            "zero2 k=2 (1 piece)"]
+  for row, label in zip(rows, labels * 2):
     assert f"  {label}  " in row, row
-  assert "fits 80 GiB per device, healthy (TP degree 4): replicated, zero1 k=1 (2 pieces), " \
-         "zero1 k=2 (1 piece)" in table
+  assert "fits 80 GiB per device, healthy (TP degree 4): " + ", ".join(labels) in table
   assert "1 failed slot (TP degree 3)" in table
 
 
@@ -227,7 +228,7 @@ def test_zero1_optimizer_bytes_match_the_hand_count(tmp_path):
 
 
 def test_the_sharded_update_lowers_for_abstract_buffers(tmp_path):
-  """``ShardedOptimizer.lower``: its compiled arguments are one core device's gradient
+  """``ShardedOptimizer.lower_step``: its compiled arguments are one core device's gradient
   buffer and sharded state, as ``abstract_state`` says."""
   from ntp_jax.parallel.steps import SplitStep, StepSettings, abstract_sync_blocks
   from ntp_jax.training.footprint import sharded_optimizer
@@ -246,14 +247,23 @@ def test_the_sharded_update_lowers_for_abstract_buffers(tmp_path):
     step = SplitStep.build(program.graphdef, program.params, program.opt_state, program.mesh,
                            settings, plan.t_min)
     blocks.append(abstract_sync_blocks(step.grad, program.params, batch, program.mesh))
-  sharded = sharded_optimizer(plan, jax.devices(), zero_settings(run.train))
+  zero = zero_settings(run.train)
+  sharded = sharded_optimizer(plan, jax.devices(), zero)
   with pytest.raises(ValueError, match="no class's sync buffers"):
-    sharded.lower([])
+    sharded.lower_step([])
   state = sharded.abstract_state(blocks)
-  compiled = sharded.lower(blocks).compile()
+  [(_, lowered)] = sharded.lower_step(blocks)
   length = blocks[0]["float32"].shape[-1]
-  assert compiled.memory_analysis().argument_size_in_bytes == length * 4 + device_bytes(state)
+  argument_bytes = lowered.compile().memory_analysis().argument_size_in_bytes
+  assert argument_bytes == length * 4 + device_bytes(state)
   assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {np.dtype("float32")}
+  # zero2: a micro-batch's buffer (and the summed pieces after the first), then the update
+  # from the pieces and the state.
+  pieces = device_bytes(state["master"])
+  zero2 = sharded_optimizer(plan, jax.devices(), dataclasses.replace(zero, stage=2))
+  first, later, update = (lowered.compile().memory_analysis().argument_size_in_bytes
+                          for _, lowered in zero2.lower_step(blocks))
+  assert (first, later, update) == (length * 4, length * 4 + pieces, pieces + device_bytes(state))
 
 
 def test_a_step_past_int32_indexing_is_refused_before_compiling(tmp_path):

@@ -1,5 +1,5 @@
-"""The sharded optimizer (``train.optimizer_sharding=zero1``) in whole runs, against the
-replicated one: training, checkpoints in both directions, live recovery from copies.
+"""The sharded optimizers (``train.optimizer_sharding=zero1``, ``zero2``) in whole runs,
+against the replicated one: training, checkpoints in both directions, live recovery from copies.
 
 A run's last step is written as a logical checkpoint, which holds the optimizer state in
 the layout a replicated run keeps, so parameters and Adam moments are compared there,
@@ -66,16 +66,21 @@ def assert_same_state(got, want, tolerance=1e-5):
     assert error <= tolerance * np.linalg.norm(want[path].ravel()), name
 
 
-@pytest.mark.parametrize("failed", ["", "1:3"], ids=["degrees-4-4", "degrees-4-3"])
-def test_zero1_trains_as_the_replicated_optimizer(tmp_path, failed):
+@pytest.mark.parametrize("failed, choices", [
+    ("", [("zero1", 1), ("zero1", 2), ("zero2", 1)]),
+    ("1:3", [("zero1", 1), ("zero1", 2), ("zero2", 1), ("zero2", 2)])],
+    ids=["degrees-4-4", "degrees-4-3"])
+def test_sharded_optimizers_train_as_the_replicated_one(tmp_path, failed, choices):
   """dp=2 tp=4, healthy (one class) and with a degree-3 replica (two classes, synced at
-  t_min=3): one copy (two pieces) and two copies (one piece held twice)."""
-  base, base_dir = run(tmp_path / "replicated", **{"ntp.failed": failed})
+  t_min=3), two micro-batches a step (the degree-3 replica's 7 rows as 4 + 3): one copy
+  (two pieces) and two copies (one piece held twice)."""
+  micro = {"ntp.failed": failed, "train.microbatches": 2}
+  base, base_dir = run(tmp_path / "replicated", **micro)
   want = stored(base_dir)
-  for copies in (1, 2):
-    result, folder = run(tmp_path / f"zero1-{copies}", **ZERO, **{
-        "ntp.failed": failed, "train.optimizer_copies": copies})
-    np.testing.assert_allclose(result.losses, base.losses, rtol=1e-6)
+  for sharding, copies in choices:
+    result, folder = run(tmp_path / f"{sharding}-{copies}", **micro, **{
+        "train.optimizer_sharding": sharding, "train.optimizer_copies": copies})
+    np.testing.assert_allclose(result.losses, base.losses, rtol=1e-6, err_msg=sharding)
     assert_same_state(stored(folder), want)
 
 

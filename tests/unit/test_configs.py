@@ -85,14 +85,14 @@ def test_a_bad_value_in_any_section_is_one_line_naming_the_field(field, value, m
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"train.optimizer_sharding": "zero2"},
-     "train.optimizer_sharding: 'zero2' is not one of replicated, zero1"),
+    ({"train.optimizer_sharding": "zero3"},
+     "train.optimizer_sharding: 'zero3' is not one of replicated, zero1, zero2"),
     ({"train.optimizer_copies": 0}, "train.optimizer_copies: must be >= 1"),
     ({"train.optimizer_copies": 2}, "train.optimizer_copies: 2 copies need "
                                     "train.optimizer_sharding=zero1"),
     ({"train.optimizer_sharding": "zero1", "train.optimizer_copies": 3},
      r"train.optimizer_copies: 3 copies of each piece need as many replicas; mesh.dp=2"),
-    ({"train.optimizer_sharding": "zero1", "ntp.fail_at": "3@0:1", "checkpoint.every": 0},
+    ({"train.optimizer_sharding": "zero2", "ntp.fail_at": "3@0:1", "checkpoint.every": 0},
      "ntp.fail_at: with train.optimizer_copies=1 the first failed device's piece"),
 ])
 def test_optimizer_sharding_mistakes_are_one_line(overrides, match):
