@@ -117,11 +117,12 @@ EVENTS = {"mesh.dp": 4, "mesh.tp": 2, "ntp.fail_at": "4@0:1,7@3:0,7@3:1",
           "ntp.recovery": "live"}
 
 
-def test_zero1_with_two_copies_recovers_live_from_the_copies(tmp_path):
+@pytest.mark.parametrize("sharding", ["zero1", "zero2"])
+def test_two_copies_recover_live_from_the_copies(tmp_path, sharding):
   base, _ = run(tmp_path / "replicated", steps=10, **EVENTS)
   lines = []
-  result, _ = run(tmp_path / "zero1", steps=10, log=lines.append, **ZERO, **EVENTS,
-                  **{"train.optimizer_copies": 2})
+  result, _ = run(tmp_path / sharding, steps=10, log=lines.append, **EVENTS,
+                  **{"train.optimizer_sharding": sharding, "train.optimizer_copies": 2})
   np.testing.assert_allclose(result.losses, base.losses, rtol=1e-5)
   assert sum("live: state moved from DP peers" in line for line in lines) == 2
   assert not any("restor" in line for line in lines)
@@ -143,12 +144,15 @@ def test_zero1_with_one_copy_takes_the_restart_path_and_says_why(tmp_path):
 
 
 
-def test_zero1_recoveries_compiled_ahead_compile_nothing(tmp_path):
+@pytest.mark.parametrize("sharding, microbatches", [("zero1", 1), ("zero2", 2)])
+def test_sharded_recoveries_compiled_ahead_compile_nothing(tmp_path, sharding, microbatches):
   """dp=2 tp=2, two copies: a failure, a second one in the other replica and a repair, each
   onto a plan compiled in the background before it came (the sharded optimizer's programs
-  and the read-back of its state included)."""
+  and the read-back of its state included; zero2, each micro-batch size's gradient half and
+  the reductions)."""
   steps = {3, 5, 7}
-  config = config_of(tmp_path / "ahead", 9, **ZERO, **{
+  config = config_of(tmp_path / "ahead", 9, **{
+      "train.optimizer_sharding": sharding, "train.microbatches": microbatches,
       "mesh.dp": 2, "mesh.tp": 2, "train.optimizer_copies": 2, "ntp.precompile": "next_failure",
       "ntp.fail_at": "3@0:1,5@1:0", "ntp.repair_at": "7@0:1"})
   config.checkpoint.every = 0
