@@ -17,9 +17,11 @@ all-reduce of the buffer (``2 (R-1)/R * L``), and ZeRO-1 with ``k`` copies
 (``parallel.zero``: ``P = piece_count(R, k)`` pieces, ``C = R / P`` copies):
 a reduce-scatter over the pieces (``(P-1)/P * L``), an all-reduce of the
 piece over its copies (``2 (C-1)/C * L / P``) and an all-gather of the
-updated parameters in their dtype (``(P-1)/P * L``). ``L``: the elements of
-one core position's sync buffer (every parameter's run at ``t_min``
-positions, the loss element).
+updated parameters in their dtype (``(P-1)/P * L``). ZeRO-2 runs the
+reduce-scatter and the all-reduce once per micro-batch (``--microbatches m``
+rows; their float32 sums stay on the devices) and the all-gather once. ``L``:
+the elements of one core position's sync buffer (every parameter's run at
+``t_min`` positions, the loss element).
 """
 
 import argparse
@@ -55,6 +57,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="configs/gpt_8b.py")
   parser.add_argument("--out", default="")
+  parser.add_argument("--microbatches", type=int, default=4,
+                      help="micro-batches per step of the zero2 rows")
   args = parser.parse_args()
   config = load_config(args.config)
   cfg = GPTConfig.from_config(config.model)
@@ -68,7 +72,8 @@ def main():
                 "`/ replicated`: the total over the replicated all-reduce's). With the "
                 "parameters gathered in the gradients' dtype ZeRO-1's three collectives add up "
                 "to the ring all-reduce for any k: (P-1)/P + 2 (C-1)/C / P + (P-1)/P = "
-                "2 (R-1)/R, as R = P C.", "",
+                "2 (R-1)/R, as R = P C. ZeRO-2 sends the first two once per micro-batch "
+                f"(m = {args.microbatches}).", "",
                 "| TP degrees | R | L (M elements) | optimizer state | P pieces | C copies "
                 "| reduce-scatter | all-reduce | all-gather | total | / replicated |",
                 "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -90,13 +95,14 @@ def main():
     lines.append(f"| {name} | {g / 1e9:.2f} | {traffic['intra_domain'] / 1e9:.2f} "
                  f"| {equal_runs['intra_domain'] / 1e9:.2f} | {nested / 1e9:.2f} "
                  f"| {traffic['cross_replica'] / 1e9:.2f} | {uniform / 1e9:.2f} |")
-    zero_lines += zero_rows(name, plan, states, itemsize)
+    zero_lines += zero_rows(name, plan, states, itemsize, args.microbatches)
   emit(lines + zero_lines, args.out)
 
 
-def zero_rows(name, plan, states, itemsize) -> list[str]:
+def zero_rows(name, plan, states, itemsize, microbatches) -> list[str]:
   """Markdown rows: bytes one core device sends across domains per step, replicated and
-  ZeRO-1 with one and two copies (the formulas in the module docstring)."""
+  ZeRO-1 and ZeRO-2 (``microbatches`` a step) with one and two copies (the formulas in the
+  module docstring)."""
   t_min, live = plan.t_min, len(plan.replicas)
   regroups = regroup_plan([(sync_leaves(s, c.degree, t_min), len(c.replicas))
                            for c, s in zip(plan.classes, states)], t_min)
@@ -108,8 +114,11 @@ def zero_rows(name, plan, states, itemsize) -> list[str]:
   for copies in (1, 2)[:live]:
     pieces = piece_count(live, copies)
     held = live // pieces
-    rows.append((f"zero1 k={copies}", pieces, held, (pieces - 1) / pieces * buffer,
-                 2 * (held - 1) / held * buffer / pieces, (pieces - 1) / pieces * buffer))
+    scatter = (pieces - 1) / pieces * buffer
+    reduce = 2 * (held - 1) / held * buffer / pieces
+    rows.append((f"zero1 k={copies}", pieces, held, scatter, reduce, scatter))
+    rows.append((f"zero2 k={copies}, m={microbatches}", pieces, held, microbatches * scatter,
+                 microbatches * reduce, scatter))
   out = []
   for choice, pieces, held, scatter, reduce, gather in rows:
     total = scatter + reduce + gather
