@@ -104,6 +104,9 @@ class ClassFootprint:
     return self.params + self.opt_state + self.batch + self.temp + self.outputs
 
 
+# These programs are analysed, never run: skip the backend's code optimisation (LLVM), which
+# is most of a CPU compile and changes neither XLA's buffer assignment nor its cost analysis.
+ANALYSIS_ONLY = {"xla_backend_optimization_level": 0}
 INT32_MAX = 2 ** 31 - 1  # the longest array the split step's int32 index arithmetic reaches
 
 
@@ -298,7 +301,9 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
   split = len(plan.classes) > 1 or zero is not None
   label = optimizer_label(zero, len(plan.replicas))
   if zero is not None:  # known before compiling anything: the sharded update's bound
-    longest = max(sync_buffer_lengths(plan, make_model).values())
+    if ("sync lengths", plan.classes) not in memo:
+      memo["sync lengths", plan.classes] = sync_buffer_lengths(plan, make_model)
+    longest = max(memo["sync lengths", plan.classes].values())
     if longest > INT32_MAX:
       raise OverflowError(f"a sync buffer of {longest:,} elements per core device: the "
                           f"sharded optimizer indexes it with int32 (at most {INT32_MAX:,})")
@@ -306,7 +311,7 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
   def compile_once(key, jitted, *args, **static):
     key = (plan.classes, seq_len, unrolled) + key
     if key not in memo:
-      memo[key] = jitted.lower(*args, **static).compile()
+      memo[key] = jitted.lower(*args, **static).compile(compiler_options=ANALYSIS_ONLY)
     return memo[key]
 
   classes, rounds = [], 1
@@ -341,12 +346,16 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
   update, opt_bytes = None, None
   if zero is not None:
     sharded = sharded_optimizer(plan, devices, zero)
-    blocks = [abstract_sync_blocks(step.grad, program.params, batch, program.mesh)
-              for program, batch, step, _, _ in classes]
+    if (plan.classes, seq_len, unrolled, "blocks") not in memo:  # traces each gradient half
+      memo[plan.classes, seq_len, unrolled, "blocks"] = [
+          abstract_sync_blocks(step.grad, program.params, batch, program.mesh)
+          for program, batch, step, _, _ in classes]
+    blocks = memo[plan.classes, seq_len, unrolled, "blocks"]
     # Keyed by what the memo's contract leaves open (the optimizer's settings are fixed).
     key = (plan.classes, seq_len, unrolled, "zero", zero.copies, zero.clip_norm, zero.stage)
     if key not in memo:
-      memo[key] = [lowered.compile() for _, lowered in sharded.lower_step(blocks)]
+      memo[key] = [lowered.compile(compiler_options=ANALYSIS_ONLY)
+                   for _, lowered in sharded.lower_step(blocks)]
     update = memo[key]
     state = sharded.abstract_state(blocks)
     opt_bytes = device_bytes(state)

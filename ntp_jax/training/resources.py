@@ -215,8 +215,8 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
   compiled once for every choice (``class_footprints``; ``compiled`` shared with the
   caller's own footprint of the configured plan). A choice whose step cannot be built at
   full depth is extended from the deepest pair that builds (``measured_footprints``);
-  when one is, a choice measured at full depth is shown extended from the shallowest
-  pair used, its full-depth peak kept as a check (``Choice.direct_peak``).
+  when one is, every choice on that plan is shown extended from the same pair, and one
+  measured at full depth keeps its full-depth peak as a check (``Choice.direct_peak``).
 
   Raises:
     ValueError: a choice asks for more copies than live replicas.
@@ -230,18 +230,25 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
   cases = [(name, plan_for(config, model, slots), zero)
            for name, slots in failed for zero in _choices(config)]
 
-  worst = [max(measured_footprints(config, model, plan, optimizer, devices, zero,
-                                   compiled=memo), key=lambda f: f.peak)
-           for _, plan, zero in cases]
+  # The sharded choices first: where their steps cannot be built at full depth (found from
+  # shapes), the deepest pair that builds is then every row's of that plan, so the rows
+  # compare like for like and share their gradient halves' compiles.
+  worst: list = [None] * len(cases)
+  pair: dict[str, tuple[int, int]] = {}
+  for i in sorted(range(len(cases)), key=lambda i: cases[i][2] is None):
+    name, plan, zero = cases[i]
+    worst[i] = max(measured_footprints(config, model, plan, optimizer, devices, zero,
+                                       compiled=memo, depths=pair.get(name)),
+                   key=lambda f: f.peak)
+    if worst[i].extended_from is not None:
+      pair[name] = min(pair.get(name, worst[i].extended_from), worst[i].extended_from)
   direct = [None] * len(cases)
-  pairs = {f.extended_from for f in worst} - {None}
-  if pairs:  # a row measured at full depth is checked against its own extension
-    for i, ((_, plan, zero), f) in enumerate(zip(cases, worst)):
-      if f.extended_from is None:
-        direct[i] = f.peak
-        worst[i] = max(measured_footprints(config, model, plan, optimizer, devices, zero,
-                                           compiled=memo, extend=True, depths=min(pairs)),
-                       key=lambda f: f.peak)
+  for i, ((name, plan, zero), f) in enumerate(zip(cases, worst)):
+    if name in pair and f.extended_from != pair[name]:  # e.g. built at full depth: a check
+      direct[i] = f.peak if f.extended_from is None else None
+      worst[i] = max(measured_footprints(config, model, plan, optimizer, devices, zero,
+                                         compiled=memo, extend=True, depths=pair[name]),
+                     key=lambda f: f.peak)
   out = []
   for (name, plan, zero), f, peak in zip(cases, worst, direct):
     lengths, element = {}, {}
