@@ -1,14 +1,18 @@
-"""The sharded optimizer's step (zero1) against the replicated one: step time and state bytes.
+"""The sharded optimizer's step (zero1, zero2) against the replicated one: step time and
+state bytes.
 
   python bench/zero_step.py [--config configs/gpt_small.py] [--mesh 2x4] [--failed 1:3]
+                            [--sharding zero1,zero2] [--microbatches 2]
 
-For each choice (replicated; zero1 with each ``--copies``) the same plan (``--mesh``
+For each choice (replicated; each ``--sharding`` with each ``--copies``) the same plan
+(``--mesh``
 DP x TP on 8 simulated devices, ``--failed`` slots) trains ``--steps`` steps on random
 tokens after two warm-up steps. Reported: the median step time and its ratio to the
 replicated one (measured in this run, one after the other), and the bytes one core
 device holds of the optimizer state (replicated: its class blocks of the Adam moments;
-zero1: its pieces of float32 master weights and moments) and of the parameters. Run it
-alone: two cores shared with other work distort every time.
+zero1/zero2: its pieces of float32 master weights and moments) and of the parameters,
+each replica's share run as ``--microbatches`` micro-batches. Run it alone: two cores
+shared with other work distort every time.
 """
 
 import argparse
@@ -41,10 +45,11 @@ def on_one_device(tree, device) -> int:
              if s.device == device)
 
 
-def measure(path, mesh, failed, sharding, copies, steps, batch, seq):
+def measure(path, mesh, failed, sharding, copies, steps, batch, seq, microbatches):
   config = load_config(path)
   config.mesh.dp, config.mesh.tp = mesh
   config.ntp.failed = failed
+  config.train.microbatches = microbatches
   config.train.batch_size, config.train.seq_len = batch, seq
   config.train.optimizer_sharding, config.train.optimizer_copies = sharding, copies
   config = RunConfig.from_config(config)
@@ -76,19 +81,24 @@ def main():
   parser.add_argument("--config", default="configs/gpt_small.py")
   parser.add_argument("--mesh", default="2x4", help="DP x TP, at most 8 devices")
   parser.add_argument("--failed", default="1:3")
+  parser.add_argument("--sharding", default="zero1,zero2")
   parser.add_argument("--copies", default="1,2")
+  parser.add_argument("--microbatches", type=int, default=1)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq", type=int, default=64)
   parser.add_argument("--out", default="")
   args = parser.parse_args()
-  choices = [("replicated", 1)] + [("zero1", int(k)) for k in args.copies.split(",")]
+  choices = [("replicated", 1)] + [(s, int(k)) for s in args.sharding.split(",")
+                                   for k in args.copies.split(",")]
   mesh = tuple(int(n) for n in args.mesh.split("x"))
-  rows = [measure(args.config, mesh, args.failed, s, k, args.steps, args.batch, args.seq)
-          for s, k in choices]
+  rows = [measure(args.config, mesh, args.failed, s, k, args.steps, args.batch, args.seq,
+                  args.microbatches) for s, k in choices]
   base = rows[0][0]
   lines = [f"`python bench/zero_step.py --config {args.config} --mesh {args.mesh} --failed "
-           f"'{args.failed}' --steps {args.steps} --batch {args.batch} --seq {args.seq}` (cpu)",
+           f"'{args.failed}' --sharding {args.sharding} --copies {args.copies} --microbatches "
+           f"{args.microbatches} --steps {args.steps} --batch {args.batch} --seq {args.seq}` "
+           "(cpu)",
            "", "| optimizer state | step (median) | / replicated | optimizer state on a core "
            "device (MB) | parameters on it (MB) |", "|---|---:|---:|---:|---:|"]
   for (sharding, k), (step, opt, params) in zip(choices, rows):

@@ -4,9 +4,10 @@ Parameters in bfloat16 on every device, and the optimizer state sharded
 over the 4 replicas of each peer group (``train.optimizer_sharding=zero1``):
 float32 master weights and Adam moments, a quarter per core device. Its dry
 run (``python train.py --config configs/gpt_70b.py --config.dry_run=True``)
-compares this with the replicated optimizer, healthy and with one failed
-slot, against 80 GiB per device: none fits on 4 x 8, and at 80 layers the
-split step's int32 indexing cannot build it yet (docs/scale.md).
+compares this with the replicated optimizer and zero2, healthy and with one
+failed slot, against 80 GiB per device: none fits on 4 x 8 at any DP, and at
+80 layers the split step's int32 indexing cannot build it yet
+(docs/scale.md).
 """
 
 from configs import base

@@ -219,7 +219,11 @@ class JobStep:
         jax.block_until_ready(buffers)
         self.before_sync()
       total = self.zero.accumulate(buffers, total)
-    return self.zero.apply(total, self.zero_state, buffers)
+    # Only the positions past t_min are kept for the update's result: the core devices'
+    # buffers are freed before it runs.
+    outer = self.sync.outer(buffers)
+    del buffers
+    return self.zero.apply(total, self.zero_state, outer)
 
   def _gradient_buffers(self, batch: Any) -> list[dict | None]:
     """Each local class's gradient buffers (None elsewhere), then ``before_sync``."""

@@ -39,6 +39,7 @@ replicas of different TP degree), in our own formulation.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -137,6 +138,16 @@ def synced_loss(buffers: dict[str, jax.Array]) -> jax.Array:
   return buffers[LOSS_DTYPE][0, 0, -1]
 
 
+@dataclasses.dataclass(frozen=True)
+class OuterShards:
+  """A class buffer as ``CrossClassSync.unstack`` reads it: its global shape and sharding,
+  and this process's shards at positions beyond ``t_min`` (``device -> array``)."""
+
+  shape: tuple[int, ...]
+  sharding: jax.sharding.Sharding
+  shards: dict
+
+
 class CrossClassSync:
   """Phase 2: all-reduce of the core slots' flat buffers over every live replica.
 
@@ -199,10 +210,27 @@ class CrossClassSync:
         self._stacked_shape(array), sharding or self.sharding, [by_device[name][d] for d in held])
         for name, array in first.items()}
 
+  def outer(self, class_buffers: list[dict | None]) -> list[dict | None]:
+    """What ``unstack`` reads of ``class_buffers``: each buffer's shape, sharding and its
+    shards at positions beyond ``t_min`` (``OuterShards``), so that the core positions'
+    shards can be freed before the buffers are unstacked."""
+    out: list[dict | None] = []
+    for c, buffers in enumerate(class_buffers):
+      if buffers is None:
+        out.append(None)
+        continue
+      outer_devices = {d for row in self.meshes[c].devices for d in row[self.t_min:]}
+      out.append({name: OuterShards(array.shape, array.sharding,
+                                    {s.device: s.data for s in array.addressable_shards
+                                     if s.device in outer_devices})
+                  for name, array in buffers.items()})
+    return out
+
   def unstack(self, class_buffers: list[dict | None],
               stacked: dict[str, jax.Array] | None) -> list[dict | None]:
-    """Inverse of ``stack``: ``class_buffers`` with their core positions taken from
-    ``stacked`` (positions beyond ``t_min`` keep theirs: they hold no data), no copy."""
+    """Inverse of ``stack``: ``class_buffers`` (arrays, or their ``outer``) with their core
+    positions taken from ``stacked`` (positions beyond ``t_min`` keep theirs: they hold no
+    data), no copy."""
     core: dict[str, dict[jax.Device, jax.Array]] = {
         name: {s.device: s.data for s in array.addressable_shards}
         for name, array in (stacked or {}).items()}
@@ -213,7 +241,8 @@ class CrossClassSync:
         continue
       synced = {}
       for name, array in buffers.items():
-        own = {s.device: s.data for s in array.addressable_shards}
+        own = (array.shards if isinstance(array, OuterShards)
+               else {s.device: s.data for s in array.addressable_shards})
         pieces = []
         for row in self.meshes[c].devices:
           for j, device in enumerate(row):

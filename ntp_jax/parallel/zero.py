@@ -381,8 +381,8 @@ class ShardedOptimizer:
   def apply(self, total: dict, state: dict, templates: list[dict | None]
             ) -> tuple[list[dict | None], dict, dict]:
     """zero2: the update from the summed pieces (``accumulate``; donated), as ``step``
-    returns it. ``templates``: per class, buffers of the gradient buffers' shapes (the
-    last micro-batch's), whose positions past ``t_min`` the result keeps."""
+    returns it. ``templates``: per class, the gradient buffers of the last micro-batch or
+    their ``CrossClassSync.outer``, whose positions past ``t_min`` the result keeps."""
     first = next(t for t in templates if t is not None)
     lengths = tuple(sorted((name, x.shape[-1]) for name, x in first.items()))
     full, state, metrics = self._apply(total, state, lengths=lengths)

@@ -74,8 +74,9 @@ class ClassFootprint:
     outputs: step outputs not written in place of a donated input: the
       largest of the programs'; zero1, the gradient buffers plus what the
       sharded update gives back (the buffers are its argument, so both live
-      at once); zero2, one micro-batch's gradient buffers, the float32 summed
-      pieces and what the update gives back.
+      at once); zero2, the float32 summed pieces and the larger of one
+      micro-batch's gradient buffers and what the update gives back (the
+      buffers are freed before it runs).
     flops: flops per device per step (None when not computed).
     optimizer: how the optimizer state is held (``optimizer_label``).
     extended_from: ``(a, b)``: ``temp`` and ``outputs`` extended linearly in depth from
@@ -375,11 +376,13 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
     else:
       sharded_memory = [c.memory_analysis() for c in update]
       temp = max(int(m.temp_size_in_bytes) for m in memory + sharded_memory)
-      last = sharded_memory[-1]  # the update: its argument buffers live with its outputs
-      outputs = max(fresh) + int(last.output_size_in_bytes - last.alias_size_in_bytes)
+      last = sharded_memory[-1]
+      gathered = int(last.output_size_in_bytes - last.alias_size_in_bytes)
       opt, flops = opt_bytes, flops + flops_of(update[-1])
-      if zero.stage == 2:  # the summed pieces live through the step; a reduction per round
-        outputs += total_bytes
+      if zero.stage == 1:  # the update's argument buffers live with its outputs
+        outputs = max(fresh) + gathered
+      else:  # the summed pieces live through the step; the update runs without the buffers
+        outputs = total_bytes + max(max(fresh), gathered)
         flops += flops_of(update[0]) + (rounds - 1) * flops_of(update[1])
     out.append(ClassFootprint(
         replica_class=program.replica_class, params=device_bytes(program.params),
