@@ -71,7 +71,9 @@ class TrainResult:
     losses: the training loss of every step run (float, nats per token).
     records: every step's metrics record (as in ``metrics.jsonl``).
     plan: the plan at the end.
-    programs: the class programs at the end (empty when no step ran).
+    programs: the class programs at the end (empty when no step ran); their
+      ``opt_state`` in the class layout also with a sharded optimizer
+      (``train.optimizer_sharding=zero1/zero2``: gathered from the pieces at the end).
     start_step: the step the run started (or resumed) at.
     interrupted: a stop signal ended it early.
     checkpoint: the folder of the last checkpoint written, or None.
@@ -356,7 +358,9 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
           f"{traffic['intra_domain'] / 1e6:.2f} MB inside domains "
           f"(logical gradient {traffic['logical'] / 1e6:.2f} MB)")
     writer.event("resume" if start.source is not None else "start", step=start.step,
-                 data_cursor=start.cursor, plan=plan.summary())
+                 data_cursor=start.cursor, plan=plan.summary(),
+                 optimizer_sharding=config.train.optimizer_sharding,
+                 optimizer_copies=config.train.optimizer_copies)
 
     hook_error = None
     try:
@@ -394,6 +398,8 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
   finally:
     writer.close()
   ahead = run.precompiler
+  if getattr(state, "job_step", None) is not None:  # a sharded state: the class layout's back
+    state.job_step.optimizer_states()
   return TrainResult(plan=state.plan, metrics_path=writer.path, losses=run.losses,
                      records=run.records, programs=state.programs, start_step=start.step,
                      interrupted=stop.received is not None, checkpoint=where,

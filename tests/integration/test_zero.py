@@ -82,6 +82,7 @@ def test_sharded_optimizers_train_as_the_replicated_one(tmp_path, failed, choice
         "train.optimizer_sharding": sharding, "train.optimizer_copies": copies})
     np.testing.assert_allclose(result.losses, base.losses, rtol=1e-6, err_msg=sharding)
     assert_same_state(stored(folder), want)
+    assert all(p.opt_state is not None for p in result.programs)  # the class layout's back
 
 
 def test_a_zero1_checkpoint_restores_onto_a_replicated_plan_and_back_exactly(tmp_path):
@@ -157,6 +158,9 @@ def test_sharded_recoveries_compiled_ahead_compile_nothing(tmp_path, sharding, m
       "ntp.fail_at": "3@0:1,5@1:0", "ntp.repair_at": "7@0:1"})
   config.checkpoint.every = 0
   result = train(config, hooks=[WaitForAhead(steps)], **QUIET)
-  rows = [r for r in read_records(result.metrics_path) if r.get("event") == "recovered"]
+  records = read_records(result.metrics_path)
+  start = next(r for r in records if r.get("event") == "start")
+  assert (start["optimizer_sharding"], start["optimizer_copies"]) == (sharding, 2)
+  rows = [r for r in records if r.get("event") == "recovered"]
   assert [(r["step"], r["path"]) for r in rows] == [(3, "live"), (5, "live"), (7, "live")]
   assert all(r["compiled_ahead"] and r["compile_s"] == 0.0 for r in rows), rows
