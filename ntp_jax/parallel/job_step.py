@@ -138,11 +138,21 @@ class JobStep:
   def first_local(self) -> ClassProgram:
     return self.programs[self.local.index(True)]
 
-  def gradients_only(self, batch: Any) -> float:
+  def gradients_only(self, batch: Any) -> float | None:
     """Loss and gradients of ``batch`` (synced across classes), not applied.
 
-    The work that a failure inside a step throws away; the state is unchanged.
+    The work that a failure inside a step throws away; the state is unchanged. With a
+    sharded optimizer it is the step's own gradient work (zero1: the gradient halves;
+    zero2: the micro-batch rounds and their reductions), with no program the step does not
+    run, and the loss is not read (None).
     """
+    if self.zero is not None:
+      if self.zero.settings.stage == 1:
+        jax.block_until_ready(self._gradient_buffers(batch))
+      else:
+        total, _ = self._zero2_rounds(batch)
+        jax.block_until_ready(total)
+      return None
     if self.sync is None:
       program = self.programs[0]
       loss, grads = program.step.gradients(program.params, class_batch(program, batch, 0))
@@ -196,9 +206,15 @@ class JobStep:
     return metrics
 
   def _zero2_update(self, batch: Any) -> tuple[list[dict | None], dict, dict]:
+    """zero2: the micro-batch rounds (``_zero2_rounds``), then the update from the pieces."""
+    total, outer = self._zero2_rounds(batch)
+    return self.zero.apply(total, self.zero_state, outer)
+
+  def _zero2_rounds(self, batch: Any) -> tuple[dict, list[dict | None]]:
     """zero2: one round per micro-batch (as many as the class with the most), each class
     running its next micro-batch (zeros once it has none left) and the sharded optimizer
-    reducing the round into its pieces; then the update from the pieces."""
+    reducing the round into its pieces. Returns the summed pieces and the last round's
+    buffers' positions past ``t_min`` (``CrossClassSync.outer``)."""
     rounds, inputs = [], []
     for program, local, (start, _) in zip(self.programs, self.local, self.plan.class_rows()):
       c = program.replica_class
@@ -221,9 +237,7 @@ class JobStep:
       total = self.zero.accumulate(buffers, total)
     # Only the positions past t_min are kept for the update's result: the core devices'
     # buffers are freed before it runs.
-    outer = self.sync.outer(buffers)
-    del buffers
-    return self.zero.apply(total, self.zero_state, outer)
+    return total, self.sync.outer(buffers)
 
   def _gradient_buffers(self, batch: Any) -> list[dict | None]:
     """Each local class's gradient buffers (None elsewhere), then ``before_sync``."""

@@ -201,8 +201,8 @@ class TrainingRun:
                              before_sync=self._arrive if arrive else None, zero=self.zero)
     if state.job_step.zero is not None:
       pieces = state.job_step.zero.pieces
-      self.log(f"{'  ' if state.step else ''}optimizer state: zero1, {pieces} piece(s) per "
-               f"peer group, each held by {len(plan.replicas) // pieces} replica(s) "
+      self.log(f"{'  ' if state.step else ''}optimizer state: {self.zero.name}, {pieces} "
+               f"piece(s) per peer group, each held by {len(plan.replicas) // pieces} replica(s) "
                f"(train.optimizer_copies={self.zero.copies})")
     compiled = self.cache.compiled_keys()
     state.compile_next = not set(state.job_step.keys) <= compiled
