@@ -442,7 +442,7 @@ class ShardedOptimizer:
               if grid[other, p, j] not in dead]
       if not live:
         raise LookupError(
-            f"optimizer state piece {p} of peer position {j} was held by failed devices only "
+            f"optimizer state piece {p} of peer group {j} was held by failed devices only "
             f"(train.optimizer_copies={self.settings.copies})")
       by_device[device] = jax.device_put(by_device[live[0]], device)
     return jax.make_array_from_single_device_arrays(array.shape, array.sharding,

@@ -480,14 +480,14 @@ def footprint_table(footprints: Sequence[ClassFootprint]) -> str:
   """One row per class: per-device GiB of each part, peak, and TFLOP per step (the
   title names a sharded optimizer state)."""
   header = ("class", "TP degree", "replicas", "params", "grads", "opt state", "temp",
-            "peak", "TFLOP/step")
+            "outputs", "peak", "TFLOP/step")
   rows = []
   for f in footprints:
     c = f.replica_class
     flops = "-" if f.flops is None else f"{f.flops / 1e12:.3f}"
     rows.append((str(c.index), str(c.degree), ",".join(map(str, c.replicas)),
                  *(f"{b / 2**30:.3f}" for b in (f.params, f.grads, f.opt_state, f.temp,
-                                                 f.peak)), flops))
+                                                 f.outputs, f.peak)), flops))
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
   fmt = "  ".join(f"{{:>{w}}}" for w in widths)
   held = {f.optimizer for f in footprints} - {"replicated"}

@@ -295,13 +295,14 @@ def comparison_table(choices: Sequence[Choice], capacity: int, device: str, tp: 
   fits ``capacity`` at each TP degree, and, when no sharded choice fits, the smallest DP
   at which the one with the least besides its state would."""
   header = ("plan", "fullest device's TP degree", "optimizer", "params", "grads", "opt state",
-            "temp", "peak", f"fits {capacity / GIB:.0f} GiB", "temp from")
+            "temp", "outputs", "peak", f"fits {capacity / GIB:.0f} GiB", "temp from")
   rows = []
   for c in choices:
     f = c.worst
     rows.append((f"{c.plan} (TP {c.degree})" if c.plan != "healthy" else c.plan,
                  str(f.replica_class.degree), c.optimizer,
-                 *(f"{b / GIB:.3f}" for b in (f.params, f.grads, f.opt_state, f.temp, f.peak)),
+                 *(f"{b / GIB:.3f}" for b in (f.params, f.grads, f.opt_state, f.temp, f.outputs,
+                                               f.peak)),
                  "yes" if f.peak <= capacity else "no",
                  "layers {}, {}".format(*f.extended_from) if f.extended_from else "compiled"))
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
@@ -309,6 +310,8 @@ def comparison_table(choices: Sequence[Choice], capacity: int, device: str, tp: 
   lines = [f"optimizer state choices on {dp} x {tp}, per device (GiB, the fullest device of "
            f"each plan; zero1/zero2: a core device) against {capacity / GIB:.0f} GiB ({device}):",
            fmt.format(*header)] + [fmt.format(*r) for r in rows]
+  lines.append("peak: params + opt state + batch + temp + outputs (grads live inside temp; "
+               "outputs: what the step's programs give back beside their donated inputs)")
   if any(c.worst.extended_from for c in choices):
     lines.append("temp from layers a, b: temp and outputs extended linearly to full depth "
                  f"from the model at a and b layers ({EXTENDED_WHY})")

@@ -137,10 +137,10 @@ def test_zero1_with_one_copy_takes_the_restart_path_and_says_why(tmp_path):
   said = [line for line in lines if "live recovery impossible" in line]
   # Slot 1 of replica 0 held piece 0 of position 1; then replica 3 held one of four pieces.
   assert len(said) == 2, lines
-  assert said[0] == ("  live recovery impossible (optimizer state piece 0 of peer position 1 "
+  assert said[0] == ("  live recovery impossible (optimizer state piece 0 of peer group 1 "
                      "was held by failed devices only (train.optimizer_copies=1)); restoring "
                      "the last checkpoint instead")
-  assert "of peer position 0 was held by failed devices only" in said[1]
+  assert "of peer group 0 was held by failed devices only" in said[1]
   assert sum("restoring step 4 from" in line for line in lines) == 1
 
 

@@ -144,6 +144,6 @@ def test_fewer_live_replicas_than_copies_hold_every_piece_each():
 def test_a_piece_with_no_live_copy_is_one_line():
   step = job(2, 4, copies=1)
   steps(step, 1)
-  with pytest.raises(LookupError, match=r"piece 1 of peer position 0 was held by failed "
+  with pytest.raises(LookupError, match=r"piece 1 of peer group 0 was held by failed "
                                          r"devices only \(train.optimizer_copies=1\)"):
     step.optimizer_states({step.programs[0].mesh.devices[1, 0]})
