@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from ntp_jax.layers.params import TPParam
 from ntp_jax.layers.shard import replica_specs, spec_shardings, stack_replicas, unstack_local
-from ntp_jax.parallel.accumulate import micro_starts
+from ntp_jax.parallel.accumulate import micro_batches
 from ntp_jax.parallel.plan import Plan, ReplicaClass
 from ntp_jax.parallel.steps import (
   ClassStep,
@@ -328,9 +328,9 @@ class PlanPrograms:
         if self.zero is None:
           lowered_step = step.lower(state["params"], state["opt_state"], batch)
         else:  # zero2: each micro-batch size's gradient half instead of the whole share's
-          sizes = sorted({size for _, size in micro_starts(replica_class.batch_share,
-                                                           replica_class.microbatches)}
-                         ) if self.zero.stage == 2 else ()
+          sizes = [size for _, size in micro_batches(replica_class.batch_share,
+                                                     replica_class.microbatches)
+                   ] if self.zero.stage == 2 else []
           lowered_step = step.lower_sharded(state["params"], batch, sizes)
         steps += [(f"class program ({name})", key, lowered) for lowered in lowered_step]
       if isinstance(step, SplitStep):

@@ -311,9 +311,9 @@ class SplitStep:
     # Computed once, host side: every walker of both halves reads these descriptors.
     leaves = sync_leaves(jax.eval_shape(unstack_local, params), degree, t_min, regroups)
 
-    def grad_body(params_local, batch):
+    def grad_body(params_local, batch, count=microbatches):
       loss, grads = _local_grads(graphdef, params_local, batch, settings.global_tokens,
-                                 settings.loss, microbatches, scan_microbatches)
+                                 settings.loss, count, scan_microbatches)
       buffers = pack_buffers(to_sync_blocks(grads, leaves), loss)
       # Every slot's buffer is its own: stack them over 'dp' and 'tp'.
       return {k: v[None] for k, v in buffers.items()}
@@ -326,10 +326,8 @@ class SplitStep:
 
     def micro_grad_fn(params, batch, start, size):
       def body(params_local, batch, start):
-        rows = jax.lax.dynamic_slice_in_dim(batch, start, size, axis=0)
-        loss, grads = _local_grads(graphdef, params_local, rows, settings.global_tokens,
-                                   settings.loss)
-        return {k: v[None] for k, v in pack_buffers(to_sync_blocks(grads, leaves), loss).items()}
+        return grad_body(params_local, jax.lax.dynamic_slice_in_dim(batch, start, size, axis=0),
+                         count=1)
 
       return jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DP), P()),
                            out_specs=block_specs)(params, batch, start)

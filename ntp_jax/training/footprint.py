@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 
 from ntp_jax.analysis.cost import flops_of
-from ntp_jax.parallel.accumulate import micro_starts
+from ntp_jax.parallel.accumulate import micro_batches
 from ntp_jax.parallel.plan import Plan, ReplicaClass
 from ntp_jax.parallel.programs import (
   ClassProgram,
@@ -329,11 +329,11 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
                                batch)]
     elif zero is not None and zero.stage == 2:  # one micro-batch's gradient half per size
       step = SplitStep.build(*state, t_min, **micro)
-      starts = micro_starts(replica_class.batch_share, replica_class.microbatches)
+      sizes = micro_batches(replica_class.batch_share, replica_class.microbatches)
       start = jax.ShapeDtypeStruct((), np.int32)
       programs = [compile_once((i, "micro", size), step.micro_grad, program.params, batch,
-                               start, size=size) for size in sorted({s for _, s in starts})]
-      runs = [sum(s == size for _, s in starts) for size in sorted({s for _, s in starts})]
+                               start, size=size) for _, size in sizes]
+      runs = [n for n, _ in sizes]
     else:
       step = SplitStep.build(*state, t_min, **micro)
       programs = [compile_once((i, "grad"), step.grad, program.params, batch)]
