@@ -14,9 +14,11 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from optax import tree_utils
 
 from ntp_jax.parallel.accumulate import micro_starts
 from ntp_jax.parallel.plan import Plan
@@ -30,7 +32,8 @@ from ntp_jax.parallel.programs import (
 )
 from ntp_jax.parallel.sync import synced_loss
 from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer, runs_of
-from ntp_jax.sharding.topology import holds_mine
+from ntp_jax.sharding.mesh import DP, TP
+from ntp_jax.sharding.topology import holds_mine, mine, processes_of
 
 
 class JobStep:
@@ -83,7 +86,14 @@ class JobStep:
                                                                 first.params))
       # What the class layout's state looks like, to give it back (checkpoints, live peers).
       self.opt_shapes = [jax.tree.map(_abstract, p.opt_state) for p in programs]
+      # The optimizer's step count on the host: every process knows it, core device or not.
+      self.zero_count = int(np.asarray(
+          tree_utils.tree_get_all_with_path(first.opt_state, "count")[0][1]))
       self.zero_state = self.zero.start(programs)
+      # Classes holding a device of a process with no core device: the sharded update's
+      # metrics reach that process through a program over the class mesh.
+      core = processes_of(self.sync.mesh)
+      self.handoff = [i for i, p in enumerate(programs) if processes_of(p.mesh) - core]
 
   @property
   def keys(self) -> list:
@@ -93,20 +103,24 @@ class JobStep:
       return keys + [self.zero_key]
     return keys + ([self.sync_key] if self.sync_key is not None else [])
 
-  def optimizer_states(self, dead: Collection[jax.Device] = frozenset()) -> None:
+  def optimizer_states(self, dead: Collection[jax.Device] = frozenset(),
+                       lost: Collection[jax.Device] = frozenset()) -> None:
     """With ``zero``: put the optimizer state back into the class programs in the class
     layout (``program.opt_state``), for a checkpoint or a move to another plan; a no-op
     otherwise. ``release_optimizer_states`` drops it again.
 
     Args:
       dead: failed devices, whose pieces are taken from other copies.
+      lost: the devices of lost processes (among ``dead`` or not).
 
     Raises:
-      LookupError: a piece of the state was held by ``dead`` devices only.
+      LookupError: a piece of the state cannot be read back
+        (``ShardedOptimizer.class_opt_states``): the same in every process.
     """
     if self.zero is None or self.programs[self.local.index(True)].opt_state is not None:
       return
-    states = self.zero.class_opt_states(self.zero_state, self.programs, self.opt_shapes, dead)
+    states = self.zero.class_opt_states(self.zero_state, self.programs, self.opt_shapes,
+                                        self.zero_count, set(dead) | set(lost), lost)
     for program, state, shape in zip(self.programs, states, self.opt_shapes):
       program.opt_state = shape if state is None else state
 
@@ -200,10 +214,32 @@ class JobStep:
                                                         self.zero_state)
     else:
       params, self.zero_state, metrics = self._zero2_update(batch)
+    self.zero_count += 1
     for program, local, buffers in zip(self.programs, self.local, params):
       if local:
         program.params = program.step.unpack(buffers, program.params)
+    for i in self.handoff:
+      if self.local[i]:
+        handed = self._hand_off(self.programs[i].mesh, metrics)
+        metrics = metrics or handed
     return metrics
+
+  def _hand_off(self, mesh, metrics: dict | None) -> dict:
+    """The sharded update's metrics (replicated over the core devices; None in a process
+    with none) replicated over the class ``mesh``: its replica 0's slot 0 (a core device)
+    gives them to every device of the class."""
+    program = self.cache.program(("metrics handoff", mesh), lambda: jax.jit(jax.shard_map(
+        _from_first_device, mesh=mesh, in_specs=P(DP, TP), out_specs=P())))
+    first = mesh.devices[0, 0]
+    sharding = NamedSharding(mesh, P(DP, TP))
+    inputs = {}
+    for name in ("loss", "grad_norm"):
+      held = {} if metrics is None else {s.device: s.data for s in metrics[name].addressable_shards}
+      inputs[name] = jax.make_array_from_single_device_arrays(
+          mesh.devices.shape, sharding,
+          [held[d].reshape(1, 1) if d == first else jax.device_put(_ZERO, d)
+           for d in mine(mesh)])
+    return program(inputs)
 
   def _zero2_update(self, batch: Any) -> tuple[list[dict | None], dict, dict]:
     """zero2: the micro-batch rounds (``_zero2_rounds``), then the update from the pieces."""
@@ -271,6 +307,15 @@ class JobStep:
             program.params, program.opt_state, x)
         metrics = metrics or class_metrics
     return metrics
+
+
+_ZERO = np.zeros((1, 1), np.float32)
+
+
+def _from_first_device(x: dict) -> dict:
+  """Inside a class body: each ``[1, 1]`` value from replica 0's slot 0, replicated."""
+  first = (jax.lax.axis_index(DP) == 0) & (jax.lax.axis_index(TP) == 0)
+  return {k: jax.lax.psum(jnp.where(first, v[0, 0], 0.0), (DP, TP)) for k, v in x.items()}
 
 
 def _abstract(x: Any) -> Any:

@@ -63,7 +63,7 @@ from jax.sharding import PartitionSpec as P
 from optax import tree_utils
 
 from ntp_jax.parallel.sync import LOSS_DTYPE, CrossClassSync
-from ntp_jax.sharding.topology import holds_mine, mine
+from ntp_jax.sharding.topology import holds_mine, is_mine, mine
 
 COPY = "copy"  # axis of the piece mesh: the replicas holding one piece
 PIECE = "piece"  # axis of the piece mesh: which piece of the peer group's buffer
@@ -172,6 +172,13 @@ def _unlead(x):
 def _as_dtype(x, like):
   """``x`` in ``like``'s dtype (no program when it has it already)."""
   return x if x.dtype == like.dtype else x.astype(like.dtype)
+
+
+def replicated_scalar(value: Any, sharding: NamedSharding) -> jax.Array:
+  """A host scalar as a replicated array over ``sharding``'s devices (which may span
+  processes: each process places its own copies)."""
+  host = np.asarray(value)
+  return jax.make_array_from_callback((), sharding, lambda _: host)
 
 
 def _specs(tree):
@@ -330,6 +337,7 @@ class ShardedOptimizer:
   def start(self, programs: Sequence[Any]) -> dict:
     """The sharded state from the class programs' parameters and optimizer state (the
     classes' ``SplitStep.pack``); each program's ``opt_state`` is then dropped (None).
+    None in a process with no core device (it runs the classes' packing only).
 
     Raises:
       ValueError: the optimizer state holds no Adam moments (``mu``, ``nu``).
@@ -344,17 +352,19 @@ class ShardedOptimizer:
     except (KeyError, IndexError):
       raise ValueError(f"train.optimizer_sharding={self.settings.name} shards Adam's moments "
                        "(mu, nu); this optimizer's state has none") from None
+    def packed(read):  # the class programs run in every process holding their devices
+      stacked = self.sync.stack([p.step.pack(read(p)) if here else None
+                                 for p, here in zip(programs, local)], self.sharding)
+      return None if stacked is None else self._scatter(stacked)
 
-    def packed(read):
-      return self._scatter(self.sync.stack([p.step.pack(read(p)) if here else None
-                                           for p, here in zip(programs, local)],
-                                          self.sharding))
-
-    state = self._start(
-        packed(lambda p: p.params),
-        packed(lambda p: tree_utils.tree_get(p.opt_state, "mu")),
-        packed(lambda p: tree_utils.tree_get(p.opt_state, "nu")),
-        jax.device_put(count, NamedSharding(self.mesh, P())))
+    pieces = [packed(lambda p: p.params),
+              packed(lambda p: tree_utils.tree_get(p.opt_state, "mu")),
+              packed(lambda p: tree_utils.tree_get(p.opt_state, "nu"))]
+    state = None  # no core device here: the pieces live in other processes
+    if self.sync.local:
+      # The count through the host: the class mesh and the pieces' may span other processes.
+      state = self._start(*pieces, replicated_scalar(np.asarray(count),
+                                                     NamedSharding(self.mesh, P())))
     for program in programs:
       program.opt_state = None
     return state
@@ -366,50 +376,67 @@ class ShardedOptimizer:
     Returns:
       Per class, the updated parameters as sync buffers (``dtype -> [replicas, degree,
       L]``, None for another process's class: for ``SplitStep.unpack``); the new state
-      (``state`` donated); the job's ``loss`` and ``grad_norm`` (f32 scalars).
+      (``state`` donated); the job's ``loss`` and ``grad_norm`` (f32 scalars). A process
+      with no core device runs no program here: its state and metrics are None and its
+      classes' buffers keep only their positions past ``t_min``.
     """
-    full, state, metrics = self._update(self.sync.stack(class_buffers, self.sharding), state)
+    stacked = self.sync.stack(class_buffers, self.sharding)
+    if stacked is None:
+      return self.sync.unstack(class_buffers, None), None, None
+    full, state, metrics = self._update(stacked, state)
     return self.sync.unstack(class_buffers, full), state, metrics
 
   def accumulate(self, class_buffers: list[dict | None], total: dict | None = None) -> dict:
     """zero2: one micro-batch's gradient buffers (per class, as for ``step``; a class with
     no micro-batch left gives zeros) reduce-scattered and added to ``total`` (donated; None
     for the first micro-batch). Returns the summed pieces, float32 ``[live replicas,
-    t_min, ceil(L / pieces)]`` per dtype."""
-    return self._accumulate(self.sync.stack(class_buffers, self.sharding), total)
+    t_min, ceil(L / pieces)]`` per dtype (None in a process with no core device)."""
+    stacked = self.sync.stack(class_buffers, self.sharding)
+    return None if stacked is None else self._accumulate(stacked, total)
 
   def apply(self, total: dict, state: dict, templates: list[dict | None]
             ) -> tuple[list[dict | None], dict, dict]:
     """zero2: the update from the summed pieces (``accumulate``; donated), as ``step``
     returns it. ``templates``: per class, the gradient buffers of the last micro-batch or
     their ``CrossClassSync.outer``, whose positions past ``t_min`` the result keeps."""
+    if not self.sync.local:
+      return self.sync.unstack(templates, None), None, None
     first = next(t for t in templates if t is not None)
     lengths = tuple(sorted((name, x.shape[-1]) for name, x in first.items()))
     full, state, metrics = self._apply(total, state, lengths=lengths)
     return self.sync.unstack(templates, full), state, metrics
 
-  def class_opt_states(self, state: dict, programs: Sequence[Any], shapes: Sequence[Any],
-                       dead: Collection[jax.Device] = frozenset()) -> list[Any]:
+  def class_opt_states(self, state: dict | None, programs: Sequence[Any],
+                       shapes: Sequence[Any], count: int,
+                       dead: Collection[jax.Device] = frozenset(),
+                       lost: Collection[jax.Device] = frozenset()) -> list[Any]:
     """Each class's optimizer state in the class layout (``shapes``: its abstract state),
     the same as a replicated run keeps (None for another process's class).
 
     Args:
+      state: the sharded state (None in a process with no core device: it joins the
+        classes' programs only).
+      count: the optimizer's step count (host int, the same in every process).
       dead: devices whose pieces must not be read: each is taken from another copy.
+      lost: devices of lost processes (a multi-process job): no program can run on them.
 
     Raises:
-      LookupError: a piece is held by dead devices only (one line, for the log).
+      LookupError: a piece is held by dead devices only, or its live copy lies in another
+        process than the dead device, or a lost process held pieces (one line, for the log;
+        the same in every process, from the plan's devices alone).
     """
-    opt = state["opt"]
-    if dead:
+    self._check_copies_reachable(set(dead), set(lost))
+    opt = None if state is None else state["opt"]
+    if dead and opt is not None:
       opt = jax.tree.map(lambda x: self._from_live_copies(x, set(dead)) if x.ndim else x, opt)
-    count = tree_utils.tree_get_all_with_path(opt, "count")[0][1]
     local = [holds_mine(p.mesh) for p in programs]
     templates = [p.step.pack(p.params) if here else None for p, here in zip(programs, local)]
     lengths = tuple(sorted((k, v.shape[-1]) for k, v in
                            next(t for t in templates if t is not None).items()))
 
     def unpacked(moment):
-      full = self._gather(tree_utils.tree_get(opt, moment), lengths=lengths)
+      full = (None if opt is None else
+              self._gather(tree_utils.tree_get(opt, moment), lengths=lengths))
       buffers = self.sync.unstack(templates, full)
       return [p.step.unpack(b, p.step.zeros(p.params)) if here else None
               for p, b, here in zip(programs, buffers, local)]
@@ -424,27 +451,48 @@ class ShardedOptimizer:
       mu = jax.tree.map(_as_dtype, mu, tree_utils.tree_get(shape, "mu"))
       nu = jax.tree.map(_as_dtype, nu, tree_utils.tree_get(shape, "nu"))
       filled = tree_utils.tree_set(shape, mu=mu, nu=nu,
-                                   count=jax.device_put(count, replicated))
+                                   count=replicated_scalar(count, replicated))
       if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(filled)):
         raise ValueError(f"train.optimizer_sharding={self.settings.name}: the optimizer state "
                          "holds more than Adam's count, mu and nu")
       out.append(filled)
     return out
 
-  def _from_live_copies(self, array: jax.Array, dead: set) -> jax.Array:
-    """``array`` (a piece leaf) with every dead device's piece copied from a live holder."""
-    by_device = {s.device: s.data for s in array.addressable_shards}
+  def _check_copies_reachable(self, dead: set, lost: set) -> None:
+    """Raises ``LookupError`` where ``class_opt_states`` cannot give the state back: a piece
+    held by dead devices only, a lost process's piece (no program runs on its devices), or
+    a dead device's first live copy in another process (pieces do not move between
+    processes: cross-process moves run as collectives, and these are not built)."""
     grid = self.mesh.devices
+    held = {d for d in grid.flat if d in lost}
+    if held:
+      processes = sorted({d.process_index for d in held})
+      raise LookupError(f"lost process(es) {processes} held optimizer state pieces "
+                        f"(train.optimizer_sharding={self.settings.name}), which are rebuilt "
+                        "from copies in one process only")
     for (_, p, j), device in np.ndenumerate(grid):
       if device not in dead:
         continue
-      live = [grid[other, p, j] for other in range(grid.shape[0])
-              if grid[other, p, j] not in dead]
+      live = [grid[c, p, j] for c in range(grid.shape[0]) if grid[c, p, j] not in dead]
       if not live:
         raise LookupError(
             f"optimizer state piece {p} of peer group {j} was held by failed devices only "
             f"(train.optimizer_copies={self.settings.copies})")
-      by_device[device] = jax.device_put(by_device[live[0]], device)
+      if live[0].process_index != device.process_index:
+        raise LookupError(
+            f"optimizer state piece {p} of peer group {j}: its live copy is in process "
+            f"{live[0].process_index}, the failed device's in {device.process_index}, and "
+            "pieces are rebuilt from copies in one process only")
+
+  def _from_live_copies(self, array: jax.Array, dead: set) -> jax.Array:
+    """``array`` (a piece leaf) with each of this process's dead devices' pieces copied from
+    its first live holder (in this process: ``_check_copies_reachable``)."""
+    by_device = {s.device: s.data for s in array.addressable_shards}
+    grid = self.mesh.devices
+    for (_, p, j), device in np.ndenumerate(grid):
+      if device in dead and is_mine(device):
+        live = next(grid[c, p, j] for c in range(grid.shape[0]) if grid[c, p, j] not in dead)
+        by_device[device] = jax.device_put(by_device[live], device)
     return jax.make_array_from_single_device_arrays(array.shape, array.sharding,
                                                     [by_device[d] for d in mine(self.mesh)])
 

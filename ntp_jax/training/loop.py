@@ -380,7 +380,7 @@ class TrainingRun:
     self.log(f"  moving the state from DP peers onto the new plan{note}")
     try:
       # A sharded optimizer state in the class layout, each piece from a live copy.
-      state.job_step.optimizer_states(dead | self.guard.lost_devices)
+      state.job_step.optimizer_states(dead, lost=self.guard.lost_devices)
       poison(state.programs, dead)
       source = PeerSource(state.programs, dead | self.guard.lost_devices,
                           devices=self.devices, cache=self.cache)

@@ -23,7 +23,7 @@ from ntp_jax.data import make_dataset
 from ntp_jax.data.corpus import resolve_source
 from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.data.tokenizer import copy_file
-from ntp_jax.errors import ConfigError, too_few_devices
+from ntp_jax.errors import too_few_devices
 from ntp_jax.layers.shard import replica_view
 from ntp_jax.model import ModelSpec, load_model_spec
 from ntp_jax.parallel.plan import Plan
@@ -222,9 +222,6 @@ def train(config, *, model: ModelSpec | None = None, log=print,
         "are not the tokens these weights learned")
   for note in job.notes:
     log(note)
-  if job.multi_process and config.train.optimizer_sharding != "replicated":
-    raise ConfigError(f"train.optimizer_sharding: {config.train.optimizer_sharding} runs in one "
-                      f"process for now; this job has {job.num_processes}")
   if job.multi_process:
     mine = [i for i, d in enumerate(devices) if is_mine(d)]
     log(f"process {job.process_id} of {job.num_processes}: {len(jax.local_devices())} local "
