@@ -119,6 +119,12 @@ class JobStep:
     """
     if self.zero is None or self.programs[self.local.index(True)].opt_state is not None:
       return
+    gone = sorted({d.process_index for p in self.programs for d in p.mesh.devices.flat
+                   if d in set(lost)})
+    if gone:  # the programs that read the pieces back span the lost devices
+      raise LookupError(f"lost process(es) {gone} held devices of this plan, and the sharded "
+                        f"optimizer state (train.optimizer_sharding={self.zero.settings.name}) "
+                        "is read back by programs over every device of the plan")
     states = self.zero.class_opt_states(self.zero_state, self.programs, self.opt_shapes,
                                         self.zero_count, set(dead) | set(lost), lost)
     for program, state, shape in zip(self.programs, states, self.opt_shapes):

@@ -468,8 +468,8 @@ class ShardedOptimizer:
     if held:
       processes = sorted({d.process_index for d in held})
       raise LookupError(f"lost process(es) {processes} held optimizer state pieces "
-                        f"(train.optimizer_sharding={self.settings.name}), which are rebuilt "
-                        "from copies in one process only")
+                        f"(train.optimizer_sharding={self.settings.name}), and no program "
+                        "runs on a lost process's devices")
     for (_, p, j), device in np.ndenumerate(grid):
       if device not in dead:
         continue

@@ -90,6 +90,9 @@ def write_just_in_time(job, lost: ProcessLost, survivors: set[int], state: JustI
   if checkpoints is None:
     return (f"{lost.message}; checkpoint.every=0: no just-in-time checkpoint; the run "
             "starts again from its beginning")
+  if any(p.opt_state is None for p in state.programs):  # train.optimizer_sharding=zero*
+    return (f"{lost.message}; the optimizer state is sharded over the replicas, so no "
+            f"survivor holds a whole replica's: no just-in-time checkpoint; {fallback}")
   holder = whole_replica(state.programs, survivors)
   if holder is None:
     return (f"{lost.message}; the processes left hold no whole replica, so no just-in-time "

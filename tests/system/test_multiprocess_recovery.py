@@ -219,3 +219,40 @@ def test_the_coordinators_loss_ends_the_job_and_a_rerun_resumes_from_the_last_ch
   assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
   assert "resuming from step 6" in again.stdout
   _equal_losses(workdir, expected)
+
+
+def test_sharded_optimizer_across_processes_with_one_holding_no_core_device(tmp_path):
+  """zero2 over 4 processes of 2 devices (TP groups over two processes), replica 1 at TP
+  degree 2 from the start: process 1 holds only replica 0's slots 2 and 3, past t_min, so
+  it holds no piece of the optimizer state and gets the metrics through its class. The
+  losses equal the same run in one process."""
+  settings = {"ntp.failed": "1:1,1:2", "train.steps": 4, "train.optimizer_sharding": "zero2",
+              "train.microbatches": 2}
+  expected, _ = _reference(tmp_path, "one", **settings)
+  workdir = tmp_path / "four"
+  done = _launch(4, workdir, {**BASE, **settings, "checkpoint.every": 0,
+                              "distributed.processes_per_domain": 2}, timeout=300)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+  _equal_losses(workdir, expected, steps=4)
+
+
+def test_a_lost_process_holding_optimizer_pieces_takes_the_restart_path(tmp_path):
+  """zero1 with one copy, recoverable: process 1 (replica 1) is lost after step 6. Its
+  pieces are gone with it, so the survivor says why in one line and restores checkpoint 4
+  onto replica 0 alone: the losses equal one process's run whose replica 1 fails at step 7
+  with ntp.recovery=restart."""
+  settings = {"train.optimizer_sharding": "zero1", "checkpoint.every": 4}
+  expected, _ = _reference(tmp_path, "one", **settings, **{
+      "ntp.recovery": "restart", "ntp.fail_at": ",".join(f"7@1:{s}" for s in range(4))})
+  workdir = tmp_path / "two"
+  done = _launch(2, workdir, {**BASE, **settings, "distributed.recoverable": True,
+                              "distributed.heartbeat_timeout_s": HEARTBEAT_S},
+                 launcher=["--run-on"], program="tests/programs/train_with_hooks.py",
+                 env={"NTP_JAX_DIE_AFTER": "1:6"}, timeout=300)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+  assert ("live recovery impossible (lost process(es) [1] held devices of this plan, and the "
+          "sharded optimizer state (train.optimizer_sharding=zero1) is read back by programs "
+          "over every device of the plan); restoring the last checkpoint instead"
+          ) in done.stdout, done.stdout[-3000:]
+  records = _equal_losses(workdir, expected)
+  assert [r["path"] for r in records if r.get("event") == "recovered"] == ["restart"]
