@@ -125,8 +125,12 @@ class JobStep:
       raise LookupError(f"lost process(es) {gone} held devices of this plan, and the sharded "
                         f"optimizer state (train.optimizer_sharding={self.zero.settings.name}) "
                         "is read back by programs over every device of the plan")
+    count = self.zero_count  # the host's; a process holding pieces reads the devices'
+    if self.zero_state is not None:
+      count = int(np.asarray(tree_utils.tree_get_all_with_path(self.zero_state["opt"],
+                                                              "count")[0][1]))
     states = self.zero.class_opt_states(self.zero_state, self.programs, self.opt_shapes,
-                                        self.zero_count, set(dead) | set(lost), lost)
+                                        count, set(dead) | set(lost), lost)
     for program, state, shape in zip(self.programs, states, self.opt_shapes):
       program.opt_state = shape if state is None else state
 

@@ -39,9 +39,10 @@ A failed device's pieces are taken from another copy
 (``class_opt_states`` with ``dead``); with no live copy left, or only one in
 another process, or a lost process among the holders, ``LookupError`` (the
 restart path). In a multi-process job a process with no core device runs
-none of these programs (its state is None) and only its classes' ones. Checkpoints, live peers and every other
-reader see the optimizer state in the class layout
-(``class_opt_states``), so they stay logical and plan-independent.
+none of these programs (its state is None) and only its classes' ones.
+Checkpoints, live peers and every other reader see the optimizer state in
+the class layout (``class_opt_states``), so they stay logical and
+plan-independent.
 Source: Rajbhandari et al., ZeRO (arXiv:1910.02054), stages 1 (optimizer
 state partitioned over data-parallel ranks) and 2 (gradients too), over the
 NTP peer groups
