@@ -130,7 +130,7 @@ class JobStep:
       count = int(np.asarray(tree_utils.tree_get_all_with_path(self.zero_state["opt"],
                                                               "count")[0][1]))
     states = self.zero.class_opt_states(self.zero_state, self.programs, self.opt_shapes,
-                                        count, set(dead) | set(lost), lost)
+                                        count, set(dead) | set(lost))
     for program, state, shape in zip(self.programs, states, self.opt_shapes):
       program.opt_state = shape if state is None else state
 

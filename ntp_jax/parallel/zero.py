@@ -37,8 +37,8 @@ all-gather per step (with ``m = 1``, zero1's bytes).
 
 A failed device's pieces are taken from another copy
 (``class_opt_states`` with ``dead``); with no live copy left, or only one in
-another process, or a lost process among the holders, ``LookupError`` (the
-restart path). In a multi-process job a process with no core device runs
+another process, ``LookupError`` (the restart path; also for a lost process,
+``JobStep.optimizer_states``). In a multi-process job a process with no core device runs
 none of these programs (its state is None) and only its classes' ones.
 Checkpoints, live peers and every other reader see the optimizer state in
 the class layout (``class_opt_states``), so they stay logical and
@@ -411,8 +411,7 @@ class ShardedOptimizer:
 
   def class_opt_states(self, state: dict | None, programs: Sequence[Any],
                        shapes: Sequence[Any], count: int,
-                       dead: Collection[jax.Device] = frozenset(),
-                       lost: Collection[jax.Device] = frozenset()) -> list[Any]:
+                       dead: Collection[jax.Device] = frozenset()) -> list[Any]:
     """Each class's optimizer state in the class layout (``shapes``: its abstract state),
     the same as a replicated run keeps (None for another process's class).
 
@@ -420,15 +419,16 @@ class ShardedOptimizer:
       state: the sharded state (None in a process with no core device: it joins the
         classes' programs only).
       count: the optimizer's step count (host int, the same in every process).
-      dead: devices whose pieces must not be read: each is taken from another copy.
-      lost: devices of lost processes (a multi-process job): no program can run on them.
+      dead: devices whose pieces must not be read: each is taken from another copy (every
+        program here runs on them: a lost process's devices are the caller's to refuse,
+        ``JobStep.optimizer_states``).
 
     Raises:
       LookupError: a piece is held by dead devices only, or its live copy lies in another
-        process than the dead device, or a lost process held pieces (one line, for the log;
-        the same in every process, from the plan's devices alone).
+        process than the dead device (one line, for the log; the same in every process,
+        from the plan's devices alone).
     """
-    self._check_copies_reachable(set(dead), set(lost))
+    self._check_copies_reachable(set(dead))
     opt = None if state is None else state["opt"]
     if dead and opt is not None:
       opt = jax.tree.map(lambda x: self._from_live_copies(x, set(dead)) if x.ndim else x, opt)
@@ -461,18 +461,11 @@ class ShardedOptimizer:
       out.append(filled)
     return out
 
-  def _check_copies_reachable(self, dead: set, lost: set) -> None:
+  def _check_copies_reachable(self, dead: set) -> None:
     """Raises ``LookupError`` where ``class_opt_states`` cannot give the state back: a piece
-    held by dead devices only, a lost process's piece (no program runs on its devices), or
-    a dead device's first live copy in another process (pieces do not move between
-    processes: cross-process moves run as collectives, and these are not built)."""
+    held by dead devices only, or a dead device's first live copy in another process
+    (pieces do not move between processes: that would take a collective, not built)."""
     grid = self.mesh.devices
-    held = {d for d in grid.flat if d in lost}
-    if held:
-      processes = sorted({d.process_index for d in held})
-      raise LookupError(f"lost process(es) {processes} held optimizer state pieces "
-                        f"(train.optimizer_sharding={self.settings.name}), and no program "
-                        "runs on a lost process's devices")
     for (_, p, j), device in np.ndenumerate(grid):
       if device not in dead:
         continue
