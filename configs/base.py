@@ -27,7 +27,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.ffn_granularity = 1  # MLP columns per shard unit
   c.model.vocab_granularity = 1  # vocabulary rows per shard unit
   c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
-  c.model.param_dtype = "float32"  # parameter storage (fp32 master weights; Adam moments follow)
+  # Parameter storage; with bfloat16 the optimizer keeps fp32 master weights and moments
+  c.model.param_dtype = "float32"
   c.model.tie_embeddings = False  # output head = embedding table transposed (no separate head)
   c.model.scan_layers = True  # decoder blocks under jax.lax.scan: compile time flat in depth
   # Rematerialisation per block: none | full | dots_saveable | dots_with_no_batch_dims_saveable

@@ -146,8 +146,8 @@ class JobStep:
 
     def lower():
       blocks = jax.eval_shape(local[0][1].pack, local[0][2])
-      out = [(f"optimizer state read back ({class_label(c)})", None, step.zeros.lower(params))
-             for c, step, params in local]
+      out = [(f"optimizer state read back ({class_label(c)})", None, lowered)
+             for c, step, params in local for lowered in step.lower_read_back(params)]
       return out + [("optimizer state read back (gather)", None, zero.lower_gather([blocks]))]
 
     return lower

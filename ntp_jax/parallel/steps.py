@@ -36,6 +36,7 @@ from ntp_jax.layers.params import sum_shared_grads
 from ntp_jax.layers.shard import replica_specs, restack_local, spec_shardings, unstack_local
 from ntp_jax.parallel.accumulate import accumulate
 from ntp_jax.parallel.grad_norm import clip_by_logical_norm, logical_norm
+from ntp_jax.parallel.master_weights import needs_master
 from ntp_jax.parallel.regroup import Regroup
 from ntp_jax.parallel.sync import (
   from_sync_blocks,
@@ -283,8 +284,8 @@ class SplitStep:
       (``zero.ShardedOptimizer`` keeps its state so).
     unpack: jitted ``(buffers, params) -> tree``: the inverse, ``params`` giving the
       layout (read for shapes only, and donated: the result takes its buffers).
-    zeros: jitted ``tree -> tree`` of zeros in the class shardings (a template for
-      ``unpack`` that may be donated).
+    zeros: jitted ``(tree, *, dtype=None) -> tree`` of zeros in the class shardings, in
+      ``dtype`` (default the tree's): a template for ``unpack`` that may be donated.
     leaves: the class's ``sync_leaf.sync_leaves``, in the order the buffers hold them.
   """
 
@@ -314,7 +315,7 @@ class SplitStep:
     def grad_body(params_local, batch, count=microbatches):
       loss, grads = _local_grads(graphdef, params_local, batch, settings.global_tokens,
                                  settings.loss, count, scan_microbatches)
-      buffers = pack_buffers(to_sync_blocks(grads, leaves), loss)
+      buffers = pack_buffers(to_sync_blocks(grads, leaves), loss, leaves)
       # Every slot's buffer is its own: stack them over 'dp' and 'tp'.
       return {k: v[None] for k, v in buffers.items()}
 
@@ -344,7 +345,8 @@ class SplitStep:
 
     def pack_body(tree_local):
       blocks = to_sync_blocks(unstack_local(tree_local), leaves)
-      return {k: v[None] for k, v in pack_buffers(blocks, jnp.zeros((), jnp.float32)).items()}
+      return {k: v[None] for k, v in pack_buffers(blocks, jnp.zeros((), jnp.float32),
+                                                   leaves).items()}
 
     pack = jax.shard_map(pack_body, mesh=mesh, in_specs=(specs,), out_specs=block_specs)
     update = _update(settings.optimizer, settings.clip_norm, mesh.devices.shape[0])
@@ -364,7 +366,8 @@ class SplitStep:
                evaluate=jax.jit(make_eval_loss(graphdef, params, mesh, settings.loss)),
                mesh=mesh, pack=jax.jit(pack), unpack=jax.jit(restore, out_shardings=shardings,
                                                               donate_argnums=(1,)),
-               zeros=jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree),
+               zeros=jax.jit(lambda tree, dtype=None: jax.tree.map(
+                   lambda x: jnp.zeros_like(x, dtype=dtype), tree), static_argnames=("dtype",),
                              out_shardings=shardings), leaves=leaves)
 
   def apply(self, params, opt_state, inputs):
@@ -384,13 +387,37 @@ class SplitStep:
                     ) -> list[jax.stages.Lowered]:
     """The programs this class runs with a sharded optimizer (``zero``): the gradient
     half (zero2: ``micro_grad`` for each of ``micro_sizes`` rows instead), packing a
-    parameter-shaped tree, the zeroed template and unpacking into it."""
+    parameter-shaped tree, the zeroed template and unpacking into it, for the parameters
+    and (where they are stored in less) for float32 trees (master weights and moments:
+    ``zero.ShardedOptimizer.start``, ``class_opt_states``)."""
     blocks = abstract_sync_blocks(self.grad, params, batch, self.mesh)
     start = jax.ShapeDtypeStruct((), np.int32)
     grads = ([self.micro_grad.lower(params, batch, start, size=size) for size in micro_sizes]
              if micro_sizes else [self.grad.lower(params, batch)])
-    return grads + [self.pack.lower(params), self.zeros.lower(params),
-                    self.unpack.lower(blocks, params)]
+    out = grads + [self.pack.lower(params), self.zeros.lower(params),
+                   self.unpack.lower(blocks, params)]
+    if needs_master(params):
+      out += [self.pack.lower(as_float32(params)), *self.lower_read_back(params)]
+    return out
+
+  def lower_read_back(self, params) -> list[jax.stages.Lowered]:
+    """The programs ``zero.ShardedOptimizer.class_opt_states`` runs on this class that no
+    step does: the float32 template and, where the parameters are stored in less than
+    float32, the unpacking of float32 buffers into it (``params``: abstract, sharded)."""
+    out = [self.zeros.lower(params, dtype=jnp.float32)]
+    if needs_master(params):
+      sharding = NamedSharding(self.mesh, P(DP, TP))
+      blocks = {name: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=sharding)
+                for name, x in jax.eval_shape(self.pack, params).items()}
+      out.append(self.unpack.lower(blocks, as_float32(params)))
+    return out
+
+
+def as_float32(tree: Any) -> Any:
+  """Abstract arrays (``jax.ShapeDtypeStruct``s) with their floating leaves in float32."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
+      sharding=x.sharding), tree)
 
 
 def abstract_sync_blocks(grad: Callable[..., Any], params: Any, batch: Any,

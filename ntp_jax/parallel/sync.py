@@ -105,15 +105,20 @@ def regroup_plan(class_leaves: Sequence[tuple[Sequence[SyncLeaf], int]],
   return {key: choose_regroup(layouts, t_min) for key, layouts in sources.items()}
 
 
-def pack_buffers(blocks: dict, loss: jax.Array) -> dict[str, jax.Array]:
-  """Sync blocks (``path -> [1, n]``) -> one flat buffer per dtype (``dtype -> [1, L]``).
+def pack_buffers(blocks: dict, loss: jax.Array,
+                 leaves: Sequence[SyncLeaf]) -> dict[str, jax.Array]:
+  """Sync blocks (``path -> [1, n]``) -> one flat buffer per parameter dtype
+  (``dtype -> [1, L]``).
 
+  ``leaves``: the class's ``sync_leaves``: each block joins the buffer of its parameter's
+  dtype, whatever its own (a float32 tree laid out as bfloat16 parameters, master weights
+  or moments, keeps its values in buffers of the gradients' layout; ``unpack_buffers``).
   The ``float32`` buffer ends with ``loss`` (this replica's loss share), so
   the peer-group all-reduce also sums the job's loss.
   """
   groups: dict[str, list[jax.Array]] = {}
-  for block in blocks.values():
-    groups.setdefault(jnp.dtype(block.dtype).name, []).append(block)
+  for leaf in leaves:
+    groups.setdefault(leaf.dtype, []).append(blocks[leaf.key])
   groups.setdefault(LOSS_DTYPE, []).append(loss.astype(LOSS_DTYPE).reshape(1, 1))
   return {name: jnp.concatenate(parts, axis=1) for name, parts in groups.items()}
 

@@ -65,6 +65,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax import tree_utils
 
+from ntp_jax.parallel.master_weights import MASTER
 from ntp_jax.parallel.sync import LOSS_DTYPE, CrossClassSync
 from ntp_jax.sharding.topology import holds_mine, is_mine, mine
 
@@ -235,13 +236,13 @@ class ShardedOptimizer:
     return self._map(body, (PIECE_SPEC,), PIECE_SPEC, buffers)
 
   def _gather_fn(self, pieces: dict, lengths: tuple[tuple[str, int], ...]) -> dict:
-    """Inverse of ``_scatter_fn``: every core device gets the whole ``[L]`` buffer, cast to
-    the buffer's dtype."""
+    """Inverse of ``_scatter_fn``: every core device gets the whole ``[L]`` buffer, in
+    float32 (master weights and moments keep every bit)."""
     length = dict(lengths)
 
     def body(local):
       return {name: _lead(jax.lax.all_gather(x[0, 0], PIECE, axis=0, tiled=True)
-                          [:length[name]].astype(name)) for name, x in local.items()}
+                          [:length[name]]) for name, x in local.items()}
 
     return self._map(body, (PIECE_SPEC,), PIECE_SPEC, pieces)
 
@@ -360,7 +361,9 @@ class ShardedOptimizer:
                                  for p, here in zip(programs, local)], self.sharding)
       return None if stacked is None else self._scatter(stacked)
 
-    pieces = [packed(lambda p: p.params),
+    # Float32 master weights where the optimizer keeps them (parameters stored in less:
+    # ``master_weights``), else the parameters.
+    pieces = [packed(lambda p: tree_utils.tree_get(p.opt_state, MASTER, p.params)),
               packed(lambda p: tree_utils.tree_get(p.opt_state, "mu")),
               packed(lambda p: tree_utils.tree_get(p.opt_state, "nu"))]
     state = None  # no core device here: the pieces live in other processes
@@ -413,7 +416,9 @@ class ShardedOptimizer:
                        shapes: Sequence[Any], count: int,
                        dead: Collection[jax.Device] = frozenset()) -> list[Any]:
     """Each class's optimizer state in the class layout (``shapes``: its abstract state),
-    the same as a replicated run keeps (None for another process's class).
+    the same as a replicated run keeps (None for another process's class): the moments,
+    the step count and, where the state keeps them (``master_weights``), the float32
+    master weights, each gathered in float32 from the pieces.
 
     Args:
       state: the sharded state (None in a process with no core device: it joins the
@@ -429,24 +434,33 @@ class ShardedOptimizer:
         from the plan's devices alone).
     """
     self._check_copies_reachable(set(dead))
+    if dead and state is not None:
+      state = jax.tree.map(lambda x: self._from_live_copies(x, set(dead)) if x.ndim else x,
+                           state)
     opt = None if state is None else state["opt"]
-    if dead and opt is not None:
-      opt = jax.tree.map(lambda x: self._from_live_copies(x, set(dead)) if x.ndim else x, opt)
     local = [holds_mine(p.mesh) for p in programs]
-    templates = [p.step.pack(p.params) if here else None for p, here in zip(programs, local)]
+
+    def zeros(p):  # a float32 template in the class layout (donated to the unpacking)
+      return p.step.zeros(p.params, dtype=MASTER_DTYPE)
+
+    # Float32 buffers: only their shapes and positions past t_min (no data) are read.
+    templates = [p.step.pack(zeros(p)) if here else None for p, here in zip(programs, local)]
     lengths = tuple(sorted((k, v.shape[-1]) for k, v in
                            next(t for t in templates if t is not None).items()))
 
-    def unpacked(moment):
-      full = (None if opt is None else
-              self._gather(tree_utils.tree_get(opt, moment), lengths=lengths))
+    def unpacked(name):
+      full = (None if state is None else self._gather(
+          state["master"] if name == MASTER else tree_utils.tree_get(opt, name),
+          lengths=lengths))
       buffers = self.sync.unstack(templates, full)
-      return [p.step.unpack(b, p.step.zeros(p.params)) if here else None
+      return [p.step.unpack(b, zeros(p)) if here else None
               for p, b, here in zip(programs, buffers, local)]
 
+    masters = self._with_master(shapes)
+    master = unpacked(MASTER) if masters else [None] * len(programs)
     out = []
-    for program, here, shape, mu, nu in zip(programs, local, shapes, unpacked("mu"),
-                                            unpacked("nu")):
+    for program, here, shape, mu, nu, weights in zip(programs, local, shapes, unpacked("mu"),
+                                                     unpacked("nu"), master):
       if not here:
         out.append(None)
         continue
@@ -455,11 +469,19 @@ class ShardedOptimizer:
       nu = jax.tree.map(_as_dtype, nu, tree_utils.tree_get(shape, "nu"))
       filled = tree_utils.tree_set(shape, mu=mu, nu=nu,
                                    count=replicated_scalar(count, replicated))
+      if weights is not None:  # apart: with it, tree_set sets no field beside the master's
+        filled = tree_utils.tree_set(filled, **{MASTER: weights})
       if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(filled)):
         raise ValueError(f"train.optimizer_sharding={self.settings.name}: the optimizer state "
                          "holds more than Adam's count, mu and nu")
       out.append(filled)
     return out
+
+  @staticmethod
+  def _with_master(shapes: Sequence[Any]) -> bool:
+    """Whether the class layout's optimizer state keeps float32 master weights
+    (``master_weights.MasterWeightsState``), the same for every class."""
+    return any(tree_utils.tree_get(s, MASTER) is not None for s in shapes)
 
   def _check_copies_reachable(self, dead: set) -> None:
     """Raises ``LookupError`` where ``class_opt_states`` cannot give the state back: a piece
@@ -498,7 +520,8 @@ class ShardedOptimizer:
     a class layout's state into pieces and starting from them (``start``), the update
     (``step``), and the gathering that gives the state back (``class_opt_states``).
     ``(what, lowered)`` each; ``class_blocks`` as for ``lower_step``."""
-    buffers = self._abstract_buffers(class_blocks[0])
+    # ``start`` cuts float32 trees (master weights, moments) laid out as the gradients.
+    buffers = self._abstract_buffers(class_blocks[0], MASTER_DTYPE)
     state = self.abstract_state(class_blocks)
     pieces = state["master"]
     count = tree_utils.tree_get_all_with_path(state["opt"], "count")[0][1]
@@ -563,10 +586,12 @@ class ShardedOptimizer:
         x.shape, x.dtype, sharding=self.sharding if x.ndim else NamedSharding(self.mesh, P())),
         state)
 
-  def _abstract_buffers(self, blocks: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
-    """One class's buffers -> the stacked ``[live replicas, t_min, L]`` ones ``step`` takes."""
+  def _abstract_buffers(self, blocks: dict[str, Any], dtype: Any = None
+                        ) -> dict[str, jax.ShapeDtypeStruct]:
+    """One class's buffers -> the stacked ``[live replicas, t_min, L]`` ones ``step`` takes
+    (in ``dtype``, default each buffer's)."""
     replicas, t_min = self.sync.mesh.devices.shape
-    return {name: jax.ShapeDtypeStruct((replicas, t_min, x.shape[-1]), x.dtype,
+    return {name: jax.ShapeDtypeStruct((replicas, t_min, x.shape[-1]), dtype or x.dtype,
                                        sharding=self.sharding) for name, x in blocks.items()}
 
 

@@ -3,7 +3,9 @@
 Weight decay applies to the split kernels and embeddings (``TPParam``), not to
 RMSNorm scales. Padded entries stay exactly zero: their gradient is zero, so
 both Adam moments and the decayed value stay zero. Clipping by the logical
-gradient norm is the class step's (``parallel.grad_norm``).
+gradient norm is the class step's (``parallel.grad_norm``). Parameters stored
+in bfloat16 (``model.param_dtype``) are stepped through float32 master
+weights kept in the optimizer state (``parallel.master_weights``).
 Source: Loshchilov & Hutter, AdamW (arXiv:1711.05101).
 """
 
@@ -14,6 +16,7 @@ import optax
 from flax import nnx
 
 from ntp_jax.layers.params import TPParam
+from ntp_jax.parallel.master_weights import with_master_weights
 from ntp_jax.parallel.zero import ZeroSettings
 from ntp_jax.training.config import TrainConfig
 
@@ -25,15 +28,18 @@ def make_optimizer(train: TrainConfig, *, masked: bool = True) -> optax.Gradient
   ``lr * min_lr_ratio`` at ``schedule_steps`` (``train.steps`` unless set).
   Clipping is separate (``clip_by_logical_norm``). ``masked=False``: every
   element decays (for flat buffers whose mask is applied per element,
-  ``zero_settings``).
+  ``zero_settings``). Parameters stored in less than float32 get float32
+  master weights and moments (``with_master_weights``; the sharded
+  optimizer's pieces are float32 already, so it is AdamW itself there).
   """
   length = train.schedule_steps or train.steps  # 0 (a section read as it is): train.steps
   warmup = min(train.warmup_steps, length)
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=train.lr, warmup_steps=warmup,
       decay_steps=max(length, warmup + 1), end_value=train.lr * train.min_lr_ratio)
-  return optax.adamw(schedule, b1=train.b1, b2=train.b2, eps=1e-8,
-                     weight_decay=train.weight_decay, mask=decay_mask if masked else None)
+  adamw = optax.adamw(schedule, b1=train.b1, b2=train.b2, eps=1e-8,
+                      weight_decay=train.weight_decay, mask=decay_mask if masked else None)
+  return with_master_weights(adamw)
 
 
 def zero_settings(train: TrainConfig) -> ZeroSettings | None:

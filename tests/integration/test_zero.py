@@ -112,6 +112,26 @@ def test_a_zero1_checkpoint_restores_onto_a_replicated_plan_and_back_exactly(tmp
     checkpoints.close()
 
 
+def test_bfloat16_parameters_resume_exactly_from_float32_master_weights(tmp_path):
+  """zero1 on 2 x 2 with bfloat16 parameters: the checkpoint holds the float32 master
+  weights and moments of the sharded state, so 4 steps and 4 more resumed are the 8-step
+  run bit for bit (the parameters alone would round the master weights to bfloat16)."""
+  bf16 = {**ZERO, "mesh.tp": 2, "model.param_dtype": "bfloat16", "model.dtype": "bfloat16",
+          "train.schedule_steps": 8}
+  whole, whole_dir = run(tmp_path / "whole", steps=8, **bf16)
+  first, parts_dir = run(tmp_path / "parts", steps=4, **bf16)
+  second, _ = run(tmp_path / "parts", steps=8, **bf16)
+  assert second.start_step == 4 and first.losses + second.losses == whole.losses
+  want, got = stored(whole_dir, 8), stored(parts_dir, 8)
+  assert got.keys() == want.keys()
+  for path in want:
+    np.testing.assert_array_equal(got[path], want[path], err_msg="/".join(path))
+  kinds = {(path[0], "master" in path): str(x.dtype) for path, x in want.items()
+           if x.dtype.kind not in "iu"}  # bfloat16 is kind "V" in numpy
+  assert kinds == {("params", False): "bfloat16", ("opt_state", True): "float32",
+                   ("opt_state", False): "float32"}
+
+
 # dp=4 tp=2: replica 0 loses slot 1 at step 4 (degrees [1, 2, 2, 2], t_min 1, two pieces
 # with two copies), replica 3 loses both slots at step 7 (dropped; three replicas).
 EVENTS = {"mesh.dp": 4, "mesh.tp": 2, "ntp.fail_at": "4@0:1,7@3:0,7@3:1",
@@ -145,14 +165,17 @@ def test_zero1_with_one_copy_takes_the_restart_path_and_says_why(tmp_path):
 
 
 
-@pytest.mark.parametrize("sharding, microbatches", [("zero1", 1), ("zero2", 2)])
-def test_sharded_recoveries_compiled_ahead_compile_nothing(tmp_path, sharding, microbatches):
+@pytest.mark.parametrize("sharding, microbatches, dtype", [
+    ("zero1", 1, "float32"), ("zero2", 2, "float32"), ("zero1", 1, "bfloat16")])
+def test_sharded_recoveries_compiled_ahead_compile_nothing(tmp_path, sharding, microbatches,
+                                                          dtype):
   """dp=2 tp=2, two copies: a failure, a second one in the other replica and a repair, each
   onto a plan compiled in the background before it came (the sharded optimizer's programs
   and the read-back of its state included; zero2, each micro-batch size's gradient half and
-  the reductions)."""
+  the reductions; bfloat16 parameters, the float32 master weights' packing and read-back)."""
   steps = {3, 5, 7}
   config = config_of(tmp_path / "ahead", 9, **{
+      "model.param_dtype": dtype, "model.dtype": dtype,
       "train.optimizer_sharding": sharding, "train.microbatches": microbatches,
       "mesh.dp": 2, "mesh.tp": 2, "train.optimizer_copies": 2, "ntp.precompile": "next_failure",
       "ntp.fail_at": "3@0:1,5@1:0", "ntp.repair_at": "7@0:1"})
