@@ -1,6 +1,6 @@
 """A lost GPU is a lost process: the damaged replica trains on at a reduced TP degree.
 
-  python bench/lost_process.py [--steps 30] [--after 15] [--heartbeat 5] [--cases A,B,C,D]
+  python bench/lost_process.py [--steps 30] [--after 15] [--heartbeat 5] [--cases A,B,C,D,E]
 
 gpt_tiny, dp=2 tp=4, on CPU devices, one job under ``python -m ntp_jax.launch``:
 
@@ -16,6 +16,11 @@ gpt_tiny, dp=2 tp=4, on CPU devices, one job under ``python -m ntp_jax.launch``:
 - **D**: process 0 (the coordination service's host) killed after step ``after``
   of 2 processes x 4 devices, checkpoint every 5 steps, with and without
   recoverable mode; then the same job again, which resumes.
+- **E**: the optimizer state sharded (``train.optimizer_sharding=zero1``, two copies of
+  two pieces), 4 processes x 2 devices at dp=4 tp=2 (one replica each), recoverable,
+  compiling ahead; process 1 (replica 1, piece 1) is killed after step ``after``: the
+  survivors read the state back among themselves (piece 1 from replica 3) and move it
+  live. Compared with ``ntp.fail_at={after+1}@1:0,{after+1}@1:1``.
 
 Each case prints what the survivors did: exit status, TP degrees before and
 after, the global batch, steps redone, each ``recovered`` row's compile
@@ -56,13 +61,14 @@ def _report(name, done, rows, reference, steps):
   batches = sorted({r["global_batch"] for r in rows if "global_batch" in r})
   compile_s = [round(r["compile_s"], 2) for r in _events(rows, "recovered")]
   ahead = [r["compiled_ahead"] for r in _events(rows, "recovered")]
+  paths = [r["path"] for r in _events(rows, "recovered")]
   redone = next((line.split("redone: ")[1] for line in done.stdout.splitlines()
                  if "redone: " in line), "0 step(s)")
   common = [s for s in range(steps) if s in losses and s in reference]
   diff = max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in common)
   print(f"{name}: exit {done.returncode}, steps {len(losses)}/{steps}, TP degrees "
         f"{degrees[0]} -> {degrees[-1]}, global batch {batches}, redone {redone}, "
-        f"recovered compile_s {compile_s} (compiled ahead {ahead}), max relative loss "
+        f"recovered {paths} compile_s {compile_s} (compiled ahead {ahead}), max relative loss "
         f"difference {diff:.1e} over {len(common)} steps")
 
 
@@ -71,7 +77,7 @@ def main():
   parser.add_argument("--steps", type=int, default=30)
   parser.add_argument("--after", type=int, default=15)
   parser.add_argument("--heartbeat", type=float, default=5.0)
-  parser.add_argument("--cases", default="A,B,C,D")
+  parser.add_argument("--cases", default="A,B,C,D,E")
   args = parser.parse_args()
   cases = set(args.cases.split(","))
   steps, after = args.steps, args.after
@@ -105,6 +111,19 @@ def main():
                      program="tests/programs/train_with_hooks.py", env=WAIT)
       _report("C: 2 x 4, live failure and repair of 1:2 at 20 and 30", done, _rows(work),
               reference, 40)
+
+    if "E" in cases:
+      zero = {**base, "mesh.dp": 4, "mesh.tp": 2, "train.optimizer_sharding": "zero1",
+              "train.optimizer_copies": 2, "ntp.recovery": "live"}
+      reference = _reference(os.path.join(tmp, "Eref"), {
+          **zero, "ntp.fail_at": f"{after + 1}@1:0,{after + 1}@1:1"})
+      work = os.path.join(tmp, "E")
+      done = _launch(work, {**zero, "distributed.recoverable": True, "checkpoint.every": 0,
+                            **AHEAD}, program="tests/programs/train_with_hooks.py",
+                     launcher=["--run-on"], processes=4,
+                     env={"NTP_JAX_DIE_AFTER": f"1:{after}", **WAIT})
+      _report(f"E: 4 x 2, zero1 with 2 copies, process 1 killed after step {after}", done,
+              _rows(work), reference, steps)
 
     if "D" in cases:
       reference = _reference(os.path.join(tmp, "Dref"), base)

@@ -10,7 +10,7 @@ back and run concurrently on their own devices.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -32,6 +32,7 @@ from ntp_jax.parallel.programs import (
 )
 from ntp_jax.parallel.sync import synced_loss
 from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer, runs_of
+from ntp_jax.parallel.zero_survivors import SurvivorRebuild
 from ntp_jax.sharding.mesh import DP, TP
 from ntp_jax.sharding.topology import holds_mine, mine, processes_of
 
@@ -104,7 +105,8 @@ class JobStep:
     return keys + ([self.sync_key] if self.sync_key is not None else [])
 
   def optimizer_states(self, dead: Collection[jax.Device] = frozenset(),
-                       lost: Collection[jax.Device] = frozenset()) -> None:
+                       lost: Collection[jax.Device] = frozenset(),
+                       survivors: Sequence[ClassProgram] | None = None) -> None:
     """With ``zero``: put the optimizer state back into the class programs in the class
     layout (``program.opt_state``), for a checkpoint or a move to another plan; a no-op
     otherwise. ``release_optimizer_states`` drops it again.
@@ -112,16 +114,21 @@ class JobStep:
     Args:
       dead: failed devices, whose pieces are taken from other copies.
       lost: the devices of lost processes (among ``dead`` or not).
+      survivors: where ``lost`` holds devices of this plan, the class programs cut to
+        the live processes' rows (``programs.live_rows``): their ``opt_state`` is set
+        instead, read back among them (``zero_survivors``).
 
     Raises:
       LookupError: a piece of the state cannot be read back
-        (``ShardedOptimizer.class_opt_states``): the same in every process.
+        (``ShardedOptimizer.class_opt_states``, ``zero_survivors.piece_givers``; also
+        when ``lost`` holds devices of this plan and no ``survivors`` are given): the
+        same in every process.
     """
     if self.zero is None or self.programs[self.local.index(True)].opt_state is not None:
       return
     gone = sorted({d.process_index for p in self.programs for d in p.mesh.devices.flat
                    if d in set(lost)})
-    if gone:  # the programs that read the pieces back span the lost devices
+    if gone and survivors is None:  # the programs that read the pieces back span them
       raise LookupError(f"lost process(es) {gone} held devices of this plan, and the sharded "
                         f"optimizer state (train.optimizer_sharding={self.zero.settings.name}) "
                         "is read back by programs over every device of the plan")
@@ -129,10 +136,36 @@ class JobStep:
     if self.zero_state is not None:
       count = int(np.asarray(tree_utils.tree_get_all_with_path(self.zero_state["opt"],
                                                               "count")[0][1]))
+    if gone:
+      rebuild = SurvivorRebuild(self.zero, self.programs, survivors, set(dead) | set(lost))
+      for program, state in zip(survivors, rebuild.opt_states(self.zero_state,
+                                                              self.opt_shapes, count)):
+        program.opt_state = state
+      return
     states = self.zero.class_opt_states(self.zero_state, self.programs, self.opt_shapes,
                                         count, set(dead) | set(lost))
     for program, state, shape in zip(self.programs, states, self.opt_shapes):
       program.opt_state = shape if state is None else state
+
+  def lower_read_back_by_survivors(self, survivors: Sequence[ClassProgram],
+                                   dead: Collection[jax.Device]) -> Callable[[], list]:
+    """With ``zero``: ``() -> [(what, None, lowered)]``, the programs ``optimizer_states``
+    runs when a lost process leaves ``survivors`` (cut, abstract: ``live_rows(...,
+    shapes_only=True)``), for compiling ahead of the loss; bound now. It gives none
+    where a piece would have no surviving holder (the loss takes the restart path)."""
+    if self.zero is None:
+      return list
+    zero, programs, shapes = self.zero, list(self.programs), list(self.opt_shapes)
+    state = None if self.zero_state is None else jax.tree.map(_abstract, self.zero_state)
+
+    def lower():
+      try:
+        rebuild = SurvivorRebuild(zero, programs, survivors, dead)
+      except LookupError:
+        return []
+      return [(what, None, lowered) for what, lowered in rebuild.lower(state, shapes)]
+
+    return lower
 
   def lower_read_back(self) -> Callable[[], list]:
     """With ``zero``: ``() -> [(what, None, lowered)]``, the programs ``optimizer_states``

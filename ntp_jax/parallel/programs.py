@@ -446,8 +446,15 @@ def live_rows(program: ClassProgram, processes: Collection[int], *,
   rows, and everywhere with ``shapes_only`` (``jax.ShapeDtypeStruct``s with the cut
   shardings: for lowering the moves of a loss ahead of it, no buffer touched).
   """
-  rows = [r for r, row in enumerate(program.mesh.devices)
-          if processes_of(row) <= set(processes)]
+  return keep_rows(program, [r for r, row in enumerate(program.mesh.devices)
+                             if processes_of(row) <= set(processes)], shapes_only=shapes_only)
+
+
+def keep_rows(program: ClassProgram, rows: Sequence[int], *,
+              shapes_only: bool = False) -> ClassProgram | None:
+  """``program``'s state cut to its replicas ``rows`` (indices into its mesh's rows, in
+  order) on a mesh of those rows only, as ``live_rows`` cuts it; None when ``rows`` is
+  empty."""
   if not rows:
     return None
   if len(rows) == program.mesh.devices.shape[0]:

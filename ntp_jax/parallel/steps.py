@@ -21,6 +21,7 @@ analysis).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
@@ -287,6 +288,9 @@ class SplitStep:
     zeros: jitted ``(tree, *, dtype=None) -> tree`` of zeros in the class shardings, in
       ``dtype`` (default the tree's): a template for ``unpack`` that may be donated.
     leaves: the class's ``sync_leaf.sync_leaves``, in the order the buffers hold them.
+    unpack_over: ``mesh -> program``: ``unpack`` over another ``('dp', 'tp')`` mesh of
+      this class's layout (some of its rows: the replicas left after a lost process,
+      ``zero_survivors``), nothing donated; one jitted program per mesh.
   """
 
   grad: Callable[..., Any]
@@ -298,6 +302,7 @@ class SplitStep:
   unpack: Callable[..., Any]
   zeros: Callable[..., Any]
   leaves: tuple
+  unpack_over: Callable[[Mesh], Callable[..., Any]]
 
   @classmethod
   def build(cls, graphdef: nnx.GraphDef, params: Any, opt_state: Any, mesh: Mesh,
@@ -368,7 +373,9 @@ class SplitStep:
                                                               donate_argnums=(1,)),
                zeros=jax.jit(lambda tree, dtype=None: jax.tree.map(
                    lambda x: jnp.zeros_like(x, dtype=dtype), tree), static_argnames=("dtype",),
-                             out_shardings=shardings), leaves=leaves)
+                             out_shardings=shardings), leaves=leaves,
+               unpack_over=functools.cache(lambda rows: jax.jit(jax.shard_map(
+                   restore_body, mesh=rows, in_specs=(block_specs, specs), out_specs=specs))))
 
   def apply(self, params, opt_state, inputs):
     return self.update(params, opt_state, inputs)

@@ -37,9 +37,10 @@ all-gather per step (with ``m = 1``, zero1's bytes).
 
 A failed device's pieces are taken from another copy
 (``class_opt_states`` with ``dead``); with no live copy left, or only one in
-another process, ``LookupError`` (the restart path; also for a lost process,
-``JobStep.optimizer_states``). In a multi-process job a process with no core device runs
-none of these programs (its state is None) and only its classes' ones.
+another process, ``LookupError`` (the restart path). After a lost process the
+survivors read the state back among themselves (``zero_survivors``). In a
+multi-process job a process with no core device runs none of these programs
+(its state is None) and only its classes' ones.
 Checkpoints, live peers and every other reader see the optimizer state in
 the class layout (``class_opt_states``), so they stay logical and
 plan-independent.

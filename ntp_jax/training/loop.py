@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -77,6 +77,11 @@ def plan_for(config: RunConfig, model: ModelSpec, failed: frozenset[tuple[int, i
   return make_plan(model.layouts, tp=config.mesh.tp, dp=config.mesh.dp, failed=failed,
                    slot_weights=config.ntp.slot_weights, batch_size=config.train.batch_size,
                    rebalance=config.ntp.rebalance, microbatches=config.train.microbatches)
+
+
+def _chained(*lowers: Callable[[], list]) -> Callable[[], list]:
+  """``PlanJob.lower`` functions run one after the other, their programs in that order."""
+  return lambda: [item for lower in lowers for item in lower()]
 
 
 class TrainingRun:
@@ -265,9 +270,12 @@ class TrainingRun:
         live = self.guard.live_processes() - {process}
         programs = [p for p in (live_rows(p, live, shapes_only=True) for p in programs)
                     if p is not None]
-      jobs.append(PlanJob(failed, label, functools.partial(
-          self._programs_ahead, plan, programs, frozenset(dead)), origin=state.failed,
-          lost=frozenset() if process is None else frozenset({process})))
+      lower = functools.partial(self._programs_ahead, plan, programs, frozenset(dead))
+      if process is not None and self.zero is not None:  # first the survivors' read-back
+        lower = _chained(state.job_step.lower_read_back_by_survivors(programs, frozenset(dead)),
+                         lower)
+      jobs.append(PlanJob(failed, label, lower, origin=state.failed,
+                          lost=frozenset() if process is None else frozenset({process})))
     if self.zero is not None:  # first: what gives this plan's sharded state back at a failure
       jobs.insert(0, PlanJob(state.failed, "this plan's optimizer state read back",
                              state.job_step.lower_read_back(), origin=state.failed))
@@ -379,8 +387,10 @@ class TrainingRun:
             else " (programs not compiled ahead: compiling them now)")
     self.log(f"  moving the state from DP peers onto the new plan{note}")
     try:
-      # A sharded optimizer state in the class layout, each piece from a live copy.
-      state.job_step.optimizer_states(dead, lost=self.guard.lost_devices)
+      # A sharded optimizer state in the class layout, each piece from a live copy (after
+      # a lost process, read back among the survivors: state.programs are their rows).
+      state.job_step.optimizer_states(dead, lost=self.guard.lost_devices,
+                                      survivors=state.programs)
       poison(state.programs, dead)
       source = PeerSource(state.programs, dead | self.guard.lost_devices,
                           devices=self.devices, cache=self.cache)

@@ -14,7 +14,7 @@ from helpers import SEQ, SMALL, assert_trees_close, global_batch
 from models.gpt import GPT, model_layouts
 from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import make_plan
-from ntp_jax.parallel.programs import build_class_programs
+from ntp_jax.parallel.programs import build_class_programs, keep_rows
 from ntp_jax.parallel.zero import ZeroSettings, piece_count
 from ntp_jax.training.config import parse_failed
 from ntp_jax.training.optim import decay_mask
@@ -147,3 +147,54 @@ def test_a_piece_with_no_live_copy_is_one_line():
   with pytest.raises(LookupError, match=r"piece 1 of peer group 0 was held by failed "
                                          r"devices only \(train.optimizer_copies=1\)"):
     step.optimizer_states({step.programs[0].mesh.devices[1, 0]})
+
+
+def survivors_of(step, dropped):
+  """The class programs of ``step`` without the replicas ``dropped`` (as a lost process
+  leaves them), and the dropped replicas' devices."""
+  out, dead = [], set()
+  for program in step.programs:
+    replicas = program.replica_class.replicas
+    rows = [i for i, r in enumerate(replicas) if r not in dropped]
+    dead |= {d for i, r in enumerate(replicas) if r in dropped
+             for d in program.mesh.devices[i]}
+    cut = keep_rows(program, rows)
+    if cut is not None:
+      out.append(cut)
+  return out, dead
+
+
+def test_the_survivors_of_a_lost_replica_read_the_state_back_exactly():
+  """dp=4 tp=2 with replica 3 at degree 1 (two classes, t_min 1, so slot 1 of the degree-2
+  replicas lies past the core), two copies of two pieces: with replica 0 gone (its devices
+  spoiled), the survivors read the state back among themselves, piece 0 from replica 2,
+  bit for bit the rows of the state the whole plan gives back."""
+  step = job(2, 4, "3:1", copies=2)
+  assert step.zero.pieces == 2 and len(step.plan.classes) == 2
+  steps(step, 2)
+  whole = class_states(step)
+  step.release_optimizer_states()
+  survivors, dead = survivors_of(step, {0})
+  step.zero_state = jax.tree.map(lambda x: spoil(x, dead), step.zero_state)
+  lowered = step.lower_read_back_by_survivors(survivors, dead)()
+  assert [what for what, _, _ in lowered].count(
+      "optimizer state read back by survivors (unpack)") == 2
+  step.optimizer_states(dead, lost=dead, survivors=survivors)
+  rows = [[1, 2], [0]]  # class 0 keeps replicas 1 and 2, class 1 replica 3
+  for survivor, (_, opt), kept in zip(survivors, whole, rows):
+    want = jax.tree.map(lambda x, kept=kept: x[kept] if x.ndim else x, opt)
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.tree.map(np.asarray, survivor.opt_state), want)
+
+
+def test_survivors_missing_a_piece_are_one_line():
+  """Replicas 0 and 2 (both copies of piece 0) gone: the restart path, said in one line;
+  nothing is lowered ahead for it."""
+  step = job(2, 4, copies=2)
+  steps(step, 1)
+  survivors, dead = survivors_of(step, {0, 2})
+  assert step.lower_read_back_by_survivors(survivors, dead)() == []
+  with pytest.raises(LookupError, match=r"^optimizer state piece 0 \(of every peer group\) "
+                                         r"was held only by replicas of lost processes "
+                                         r"\(train.optimizer_copies=2\)$"):
+    step.optimizer_states(dead, lost=dead, survivors=survivors)
