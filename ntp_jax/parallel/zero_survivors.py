@@ -23,6 +23,7 @@ redundancy; the NTP peer groups (Arfeen et al., arXiv:2504.06095, Sec. 4.2).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from optax import tree_utils
 
 from ntp_jax.parallel.master_weights import MASTER
-from ntp_jax.parallel.programs import ClassProgram
+from ntp_jax.parallel.programs import ClassProgram, keep_rows
 from ntp_jax.parallel.zero import (
   MASTER_DTYPE,
   PEER,
@@ -120,8 +121,8 @@ class SurvivorRebuild:
   Args:
     optimizer: the plan's ``ShardedOptimizer``.
     programs: the plan's class programs (steps on this process's classes).
-    survivors: ``programs`` cut to the live processes' rows (``programs.live_rows``; only
-      their meshes and parameters' shardings are read).
+    survivors: ``programs`` cut to the live processes' rows (``programs.live_rows``): their
+      meshes, and their parameters as the unpacking's layout (values not read).
     dead: devices that must not be read besides the lost processes'.
 
   Raises:
@@ -193,7 +194,8 @@ class SurvivorRebuild:
       count: the optimizer's step count (host int, the same in every process).
     """
     by_class = {p.replica_class: s for p, s in zip(self.programs, shapes)}
-    cut_shapes = [_cut_shapes(s, by_class[s.replica_class]) for s in self.survivors]
+    cut_shapes = [_cut_shapes(s, o, by_class[s.replica_class])
+                  for s, o in zip(self.survivors, self.originals)]
     first = next((s for s in self.survivors if holds_mine(s.mesh)), None)
     if first is None:
       return cut_shapes
@@ -253,15 +255,10 @@ class SurvivorRebuild:
     return out
 
 
-def _cut_shapes(survivor: ClassProgram, shape: Any) -> Any:
-  """The class layout's abstract optimizer state on ``survivor``'s rows."""
-  rows = survivor.mesh.devices.shape[0]
-
-  def cut(x):
-    spec = x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else P()
-    stacked = len(spec) > 0 and spec[0] == DP
-    return jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]) if stacked else tuple(x.shape),
-                                x.dtype, sharding=NamedSharding(survivor.mesh, spec))
-
-  return jax.tree.map(cut, shape)
-
+def _cut_shapes(survivor: ClassProgram, original: ClassProgram, shape: Any) -> Any:
+  """The class layout's abstract optimizer state ``shape`` on ``survivor``'s rows of
+  ``original`` (``programs.keep_rows``)."""
+  kept = {tuple(row) for row in survivor.mesh.devices}
+  rows = [i for i, row in enumerate(original.mesh.devices) if tuple(row) in kept]
+  return keep_rows(dataclasses.replace(original, opt_state=shape), rows,
+                   shapes_only=True).opt_state
