@@ -1,4 +1,4 @@
-"""Helpers shared by the test modules: the repository root, a small ``gpt_tiny`` config for
+"""Helpers shared by the test modules: the repository root, a small ``gpt_micro`` config for
 ``train()``, and a small NTP job (any plan) on random tokens that reads back every replica's
 state.
 
@@ -12,10 +12,10 @@ import os
 import jax
 import numpy as np
 import optax
-from codegen import without_codegen_flags
+from codegen import COST_ANALYSIS_FLAGS, without_codegen_flags
 from flax import nnx
 
-import configs.gpt_tiny
+import configs.gpt_micro
 from models.gpt import GPT, GPTConfig, model_layouts
 from ntp_jax.layers.shard import replica_view, to_logical
 from ntp_jax.parallel.job_step import JobStep
@@ -33,11 +33,15 @@ def process_env(devices=None, codegen=True, **extra):
 
   ``devices``: CPU devices to simulate; None leaves the count to the command (``train.py``
   gives each process ``mesh.dp * mesh.tp / processes`` devices). ``codegen=False``: the
-  production codegen (for XLA's cost analysis, bf16 numerics, long runs).
+  production codegen (for bf16 numerics, long runs); ``"cost"``: its HLO passes without
+  LLVM's (for XLA's cost analysis, ``tests/codegen.py``).
   """
   env = dict(os.environ)
-  flags = env.get("XLA_FLAGS", "") if codegen else without_codegen_flags(env.get("XLA_FLAGS", ""))
+  flags = env.get("XLA_FLAGS", "") if codegen is True else without_codegen_flags(
+      env.get("XLA_FLAGS", ""))
   flags = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
+  if codegen == "cost":
+    flags += COST_ANALYSIS_FLAGS
   if devices is not None:
     flags.append(f"--xla_force_host_platform_device_count={devices}")
   env["XLA_FLAGS"] = " ".join(flags)
@@ -46,12 +50,12 @@ def process_env(devices=None, codegen=True, **extra):
   return env
 
 
-def tiny_config(workdir, **overrides):
-  """``configs/gpt_tiny.py`` cut to 10 steps on a 300 kB corpus, no checkpoints, plots or eval.
+def micro_config(workdir, **overrides):
+  """``configs/gpt_micro.py`` cut to 10 steps on a 300 kB corpus, no checkpoints, plots or eval.
 
   Overrides are ``{"section.field": value}``, e.g. ``{"mesh.tp": 1}``.
   """
-  c = configs.gpt_tiny.get_config()
+  c = configs.gpt_micro.get_config()
   c.workdir = str(workdir)
   c.train.steps = 10
   c.train.log_every = 5

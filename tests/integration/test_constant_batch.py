@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import micro_config
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.training.trainer import train
@@ -11,7 +11,7 @@ QUIET = dict(log=lambda *_: None)
 
 
 def run(workdir, **overrides):
-  return train(tiny_config(workdir, **overrides), **QUIET)
+  return train(micro_config(workdir, **overrides), **QUIET)
 
 
 def per_step(result):
@@ -21,7 +21,7 @@ def per_step(result):
 
 
 def test_four_micro_batches_train_as_one_pass(tmp_path):
-  """gpt_tiny, 6 steps at TP degree 7: train.microbatches=4 against 1, at the same global
+  """gpt_micro, 6 steps at TP degree 7: train.microbatches=4 against 1, at the same global
   batch. (Mixed degrees, parameters compared: tests/plans/test_accumulate_plans.py.)"""
   steps = {"train.steps": 6, "mesh.tp": 8, "ntp.failed": "3"}
   one = run(tmp_path / "one", **steps)

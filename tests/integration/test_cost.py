@@ -1,6 +1,6 @@
 """Executed flops per device (XLA cost analysis): healthy replicas pay nothing for a failure.
 
-The figures come from one subprocess under the production codegen flags
+The figures come from one subprocess under the production HLO passes
 (``tests/programs/class_flops.py``; ``tests/codegen.py`` says why).
 """
 
@@ -18,7 +18,7 @@ from ntp_jax.analysis.cost import class_step_flops
 def test_healthy_replicas_pay_nothing_and_reduced_ones_only_their_own_need():
   """One subprocess measures every figure (its start-up and compiles dominate)."""
   done = subprocess.run([sys.executable, "tests/programs/class_flops.py"], cwd=ROOT,
-                        env=process_env(devices=8, codegen=False), capture_output=True,
+                        env=process_env(devices=8, codegen="cost"), capture_output=True,
                         text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   figures = json.loads(done.stdout.strip().splitlines()[-1])

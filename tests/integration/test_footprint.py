@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, process_env, tiny_config
+from helpers import ROOT, micro_config, process_env
 
 import configs.gpt_8b
 import configs.gpt_70b
@@ -126,7 +126,7 @@ def _dry(config):
 
 def test_dry_run_allocates_nothing_and_reports_every_class(tmp_path):
   logged = []
-  config = _dry(tiny_config(tmp_path, **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2",
+  config = _dry(micro_config(tmp_path, **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2",
                                          "train.seq_len": 256}))
   summary = train(config, log=logged.append)
   assert summary.dry_run and not os.listdir(tmp_path)  # no data, metrics or checkpoints
@@ -147,7 +147,7 @@ def test_dry_run_allocates_nothing_and_reports_every_class(tmp_path):
 
 
 def test_full_remat_keeps_less_and_recomputes_more(tmp_path):
-  config = tiny_config(tmp_path, **{"mesh.tp": 4, "train.seq_len": 256})
+  config = micro_config(tmp_path, **{"mesh.tp": 4, "train.seq_len": 256})
   args = (make_optimizer(config.train), 1.0, config.train.seq_len, jax.devices())
   figures = {}
   for remat in ("none", "full"):
@@ -161,7 +161,7 @@ def test_full_remat_keeps_less_and_recomputes_more(tmp_path):
 
 
 def test_flops_extended_from_two_layers_equal_the_unrolled_model(tmp_path):
-  config = tiny_config(tmp_path, **{"model.n_layers": 5, "mesh.tp": 4, "ntp.failed": "1"})
+  config = micro_config(tmp_path, **{"model.n_layers": 5, "mesh.tp": 4, "ntp.failed": "1"})
   cfg = GPTConfig.from_config(config.model)
   plan = plan_of(config, gpt_spec(cfg, 0), "1")
   args = (make_optimizer(config.train), 1.0, config.train.seq_len, jax.devices())
@@ -175,8 +175,8 @@ def test_flops_extended_from_two_layers_equal_the_unrolled_model(tmp_path):
   assert scanned < measured  # the loop body counted once: why the extension is needed
 
 
-def _tiny_leaf_sizes(cfg) -> list[int]:
-  """Logical elements of every parameter of gpt_tiny's GPT, counted from its config:
+def _leaf_sizes(cfg) -> list[int]:
+  """Logical elements of every parameter of a GPT, counted from its config:
   each block parameter stacked over the layers, then the tables and the final norm."""
   d, layers, ff, v = cfg.d_model, cfg.n_layers, cfg.d_ff, cfg.vocab_size
   q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -185,17 +185,17 @@ def _tiny_leaf_sizes(cfg) -> list[int]:
 
 
 def test_zero1_optimizer_bytes_match_the_hand_count(tmp_path):
-  """gpt_tiny (float32) on 2 x 4: a core device keeps ceil(L / P) elements of the one
+  """gpt_micro (float32) on 2 x 4: a core device keeps ceil(L / P) elements of the one
   float32 sync buffer three times (master weights, two moments), L being every
   parameter's run at t_min = 4 positions plus the loss element; and two int32 step counts."""
   from ntp_jax.parallel.zero import piece_count, state_bytes
   from ntp_jax.training.footprint import sync_buffer_lengths, zero_state_bytes
   from ntp_jax.training.optim import zero_settings
   from ntp_jax.training.resources import resident_bytes
-  config = tiny_config(tmp_path, **{"mesh.dp": 2, "mesh.tp": 4,
+  config = micro_config(tmp_path, **{"mesh.dp": 2, "mesh.tp": 4,
                                     "train.optimizer_sharding": "zero1"})
   cfg = GPTConfig.from_config(config.model)
-  sizes = _tiny_leaf_sizes(cfg)
+  sizes = _leaf_sizes(cfg)
   assert sum(sizes) == count_params(cfg)
   run = RunConfig.from_config(config)
   optimizer, zero = make_optimizer(run.train), zero_settings(run.train)
@@ -233,7 +233,7 @@ def test_the_sharded_update_lowers_for_abstract_buffers(tmp_path):
   from ntp_jax.parallel.steps import SplitStep, StepSettings, abstract_sync_blocks
   from ntp_jax.training.footprint import sharded_optimizer
   from ntp_jax.training.optim import zero_settings
-  config = tiny_config(tmp_path, **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2",
+  config = micro_config(tmp_path, **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2",
                                     "train.optimizer_sharding": "zero1"})
   cfg = GPTConfig.from_config(config.model)
   plan = plan_of(config, gpt_spec(cfg, 0), "1:2")

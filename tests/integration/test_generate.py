@@ -217,11 +217,11 @@ def test_command_prints_the_prompt_and_its_greedy_continuation(folder, decoders,
 def run_dir(tmp_path_factory):
   """A run of 2 training steps on one device with a checkpoint at step 2 (its own BPE
   tokenizer in WORKDIR/data)."""
-  from helpers import tiny_config
+  from helpers import micro_config
 
   from ntp_jax.training.trainer import train
   workdir = tmp_path_factory.mktemp("run")
-  config = tiny_config(workdir, **{"mesh.tp": 1, "train.steps": 2, "checkpoint.every": 2,
+  config = micro_config(workdir, **{"mesh.tp": 1, "train.steps": 2, "checkpoint.every": 2,
                                    "train.batch_size": 4,
                                    "data.path": os.path.join(ROOT, "docs", "design.md")})
   config.model.update(vocab_size=512, d_model=64, n_layers=1, d_ff=128, n_heads=4,

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import micro_config
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -129,7 +129,7 @@ def test_training_from_hf_weights_keeps_them_at_lr_zero(tmp_path):
   lines = []
   # Slot 2 fails before step 1: ntp.recovery="restart" with no checkpoint yet goes back to
   # the initial parameters, which must be the folder's again (not a random init).
-  config = tiny_config(tmp_path / "work", **{
+  config = micro_config(tmp_path / "work", **{
       "model.init_from": f"hf:{folder}", "mesh.tp": 4, "ntp.failed": "1", "train.steps": 3,
       "train.lr": 0.0, "data.max_corpus_bytes": 50_000, "ntp.fail_at": "1@0:2",
       "ntp.recovery": "restart", "checkpoint.every": 10, "train.eval_every": 0})
@@ -164,7 +164,7 @@ def test_training_from_hf_weights_keeps_them_at_lr_zero(tmp_path):
     ("hf:/no/such/folder", r"'hf:/no/such/folder': no folder '/no/such/folder'"),
 ])
 def test_bad_init_from_is_a_one_line_error(tmp_path, init_from, message):
-  config = tiny_config(tmp_path, **{"model.init_from": init_from})
+  config = micro_config(tmp_path, **{"model.init_from": init_from})
   with pytest.raises(ConfigError, match=rf"^model\.init_from: {message}") as err:
     train(config, log=lambda *_: None)
   assert "\n" not in str(err.value)
@@ -173,7 +173,7 @@ def test_bad_init_from_is_a_one_line_error(tmp_path, init_from, message):
 def test_the_tokenizer_travels_with_the_exported_weights(tmp_path):
   """Export writes the run's tokenizer, every file world-readable (as a plain new file); a run
   from the folder encodes with it and starts at the exported run's loss."""
-  first = train(tiny_config(tmp_path / "first", **{"train.steps": 30, "checkpoint.every": 30}),
+  first = train(micro_config(tmp_path / "first", **{"train.steps": 30, "checkpoint.every": 30}),
                 log=lambda *_: None)
   out = tmp_path / "hf"
   assert export_checkpoint(str(tmp_path / "first" / "checkpoints"), str(out)) == 30
@@ -197,13 +197,13 @@ def test_the_tokenizer_travels_with_the_exported_weights(tmp_path):
     assert json.load(f)["eos_token_id"] == eot
 
   lines = []
-  again = train(tiny_config(tmp_path / "again", **{"model.init_from": f"hf:{out}",
+  again = train(micro_config(tmp_path / "again", **{"model.init_from": f"hf:{out}",
                                                    "train.steps": 2, "train.lr": 0.0}),
                 log=lines.append)
   assert f"copy of {out / 'tokenizer.json'}" in "\n".join(lines)
   assert not [line for line in lines if line.startswith("warning")], lines
   last = float(np.mean(first.losses[-5:]))
-  assert last < np.log(2048) - 1.0
+  assert last < np.log(512) - 1.0
   assert abs(again.losses[0] - last) < 0.3, (again.losses, first.losses[-5:])
 
 
@@ -211,7 +211,7 @@ def test_a_folder_without_a_tokenizer_warns_in_one_line(tmp_path):
   folder = str(tmp_path / "hf")
   fixture.write_model(folder, "untied", vocab_size=MODEL_VOCAB)
   lines = []
-  config = tiny_config(tmp_path / "work", **{"model.init_from": f"hf:{folder}", "mesh.tp": 4})
+  config = micro_config(tmp_path / "work", **{"model.init_from": f"hf:{folder}", "mesh.tp": 4})
   config.dry_run = True  # the warning comes before the data; nothing needs to run
   train(config, log=lines.append)
   warned = [line for line in lines if line.startswith("warning")]

@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import micro_config
 
 from ntp_jax.resilience.events import Event
 from ntp_jax.training.hooks import Hook, RunServices, StepInfo
@@ -52,7 +52,7 @@ class ReachesForTheTrainer(Hook):
 
 def test_hooks_from_python_see_every_step_and_the_complete_record(tmp_path):
   steps = 6
-  config = tiny_config(tmp_path, **{"train.steps": steps, "mesh.dp": 2, "mesh.tp": 4})
+  config = micro_config(tmp_path, **{"train.steps": steps, "mesh.dp": 2, "mesh.tp": 4})
   every_step, every_third = Recorder(fail_before=4), Recorder(every=3)
   plain, nosy = [], ReachesForTheTrainer()
   result = train(config, log=lambda *_: None,
@@ -89,7 +89,7 @@ class RaisesAt(Hook):
 
 def test_a_hook_that_raises_stops_the_run_with_a_checkpoint_and_a_stop_row(tmp_path):
   # No periodic checkpoint before the hook raises: only the stop can save the 4 steps done.
-  config = tiny_config(tmp_path, **{"train.steps": 6, "mesh.tp": 2, "checkpoint.every": 10})
+  config = micro_config(tmp_path, **{"train.steps": 6, "mesh.tp": 2, "checkpoint.every": 10})
   lines = []
   with pytest.raises(ValueError, match="bug at step 3"):
     train(config, log=lambda line, *_, **__: lines.append(line), hooks=[RaisesAt(3)])

@@ -6,7 +6,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from helpers import run_job, tiny_config
+from helpers import micro_config, run_job
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.state.peer import poison
@@ -18,7 +18,7 @@ MESH = {"mesh.dp": 2, "mesh.tp": 4, "ntp.rebalance": "equal"}
 
 
 def run(workdir, ckpt, steps=12, **overrides):
-  config = tiny_config(workdir, **{"train.steps": steps, **MESH, **overrides})
+  config = micro_config(workdir, **{"train.steps": steps, **MESH, **overrides})
   config.checkpoint.every = 4
   config.checkpoint.dir = str(ckpt)
   return train(config, **QUIET)
@@ -60,7 +60,7 @@ def test_a_failure_detector_hook_drives_the_same_recovery(workdir, tmp_path, uni
       raise DeviceFailure(0, 3)  # as a health check that lost a device would
     return [Event(8, False, "repair", 0, 3)] if step == 8 else []
 
-  config = tiny_config(workdir, **{"train.steps": 12, **MESH})
+  config = micro_config(workdir, **{"train.steps": 12, **MESH})
   config.checkpoint.every = 0
   result = train(config, detector=detector, **QUIET)
   np.testing.assert_allclose(result.losses, uninterrupted, rtol=1e-5)
@@ -113,7 +113,7 @@ def test_poison_overwrites_only_the_failed_devices():
     ({"ntp.recovery": "pray"}, "ntp.recovery"),
 ])
 def test_bad_events_are_one_line_errors_before_training(overrides, field, tmp_path):
-  config = tiny_config(tmp_path, **{"train.steps": 40, **MESH, **overrides})
+  config = micro_config(tmp_path, **{"train.steps": 40, **MESH, **overrides})
   with pytest.raises(ConfigError, match=f"^{field}:") as err:
     train(config, **QUIET)
   assert "\n" not in str(err.value)
@@ -122,7 +122,7 @@ def test_bad_events_are_one_line_errors_before_training(overrides, field, tmp_pa
 
 def test_one_replica_has_no_peer_and_falls_back_to_the_checkpoint(workdir, tmp_path):
   logged = []
-  config = tiny_config(workdir, **{"train.steps": 8, "mesh.tp": 4, "ntp.fail_at": "6@0:3"})
+  config = micro_config(workdir, **{"train.steps": 8, "mesh.tp": 4, "ntp.fail_at": "6@0:3"})
   config.checkpoint.every = 4
   config.checkpoint.dir = str(tmp_path)
   result = train(config, log=logged.append)
@@ -151,7 +151,7 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
   batches = [r["global_batch"] for r in records]
   assert batches == [16] * 4 + [14] * 4 + [16] * 4
 
-  config = tiny_config(workdir, **{"train.steps": 12})
+  config = micro_config(workdir, **{"train.steps": 12})
   cfg = GPTConfig.from_config(config.model)
   optimizer = make_optimizer(config.train)
   dataset = make_dataset(None, cfg.vocab_size, config.train.seq_len, str(workdir),

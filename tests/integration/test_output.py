@@ -4,7 +4,7 @@ import glob
 import struct
 
 import numpy as np
-from helpers import tiny_config
+from helpers import micro_config
 
 from ntp_jax.data import make_dataset
 from ntp_jax.parallel.job_step import JobStep
@@ -30,7 +30,7 @@ def _events(logdir):
 
 def test_validation_loss_summary_and_tensorboard(tmp_path):
   logged = []
-  config = tiny_config(tmp_path, **{"mesh.tp": 4, "ntp.failed": "1", "train.eval_every": 5,
+  config = micro_config(tmp_path, **{"mesh.tp": 4, "ntp.failed": "1", "train.eval_every": 5,
                                     "train.eval_sequences": 16, "train.tensorboard": True})
   summary = train(config, log=logged.append)
   records = read_metrics(summary.metrics_path)
@@ -55,7 +55,7 @@ def test_validation_loss_summary_and_tensorboard(tmp_path):
   assert "tok/s" in line_of(5)
   assert "| val " in line_of(4)
   closing = next(line for line in logged if line.startswith("summary: "))
-  assert "10 steps" in closing and f"{10 * 16 * 64:,} tokens" in closing
+  assert "10 steps" in closing and f"{10 * 16 * 32:,} tokens" in closing
   assert "tokens/s after compilation" in closing
   assert f"final loss {records[-1]['loss']:.4f}" in closing
   assert f"validation loss {val[1]:.4f}" in closing
@@ -71,7 +71,7 @@ def test_validation_loss_summary_and_tensorboard(tmp_path):
 
 def test_every_run_ends_with_a_summary_even_without_validation(tmp_path):
   logged = []
-  train(tiny_config(tmp_path, **{"mesh.tp": 2, "train.steps": 3, "data.val_fraction": 0.0,
+  train(micro_config(tmp_path, **{"mesh.tp": 2, "train.steps": 3, "data.val_fraction": 0.0,
                                  "train.eval_every": 5}), log=logged.append)
   assert "validation: off (data.val_fraction=0 holds out no sequences)" in logged
   closing = next(line for line in logged if line.startswith("summary: "))

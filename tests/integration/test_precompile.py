@@ -6,9 +6,9 @@ import os
 import jax
 import pytest
 from flax import nnx
-from helpers import WaitForAhead, tiny_config
+from helpers import WaitForAhead, micro_config
 
-import configs.gpt_tiny
+import configs.gpt_micro
 from models.gpt import GPT, GPTConfig, model_layouts
 from ntp_jax.errors import ConfigError
 from ntp_jax.parallel.plan import make_plan, reachable_failed_sets
@@ -26,7 +26,7 @@ EVENT_STEPS = {3, 5, 7}
 
 
 def run(workdir, precompile, lines=None, **overrides):
-  config = tiny_config(workdir, **{**MESH, **EVENTS, "ntp.precompile": precompile, **overrides})
+  config = micro_config(workdir, **{**MESH, **EVENTS, "ntp.precompile": precompile, **overrides})
   log = (lines.append if lines is not None else lambda *_: None)
   return train(config, log=lambda line, *_, **__: log(line), hooks=[WaitForAhead(EVENT_STEPS)])
 
@@ -74,8 +74,8 @@ def test_the_restart_path_compiles_no_step_ahead_of_it(tmp_path):
 def test_a_class_program_does_not_depend_on_which_slot_failed():
   """The same lowered program for every failed-slot position: on GPU, where the persistent
   cache key leaves the device assignment out, one compile serves all of them."""
-  cfg = GPTConfig.from_config(configs.gpt_tiny.get_config().model)
-  optimizer = make_optimizer(RunConfig.from_config(tiny_config("unused")).train)
+  cfg = GPTConfig.from_config(configs.gpt_micro.get_config().model)
+  optimizer = make_optimizer(RunConfig.from_config(micro_config("unused")).train)
   texts = []
   for slot in (0, 2):
     plan = make_plan(functools.partial(model_layouts, cfg), tp=4, dp=1, failed={(0, slot)},
@@ -90,7 +90,7 @@ def test_a_class_program_does_not_depend_on_which_slot_failed():
 
 def test_the_bound_on_programs_stops_the_compile_ahead(tmp_path):
   lines = []
-  config = tiny_config(tmp_path, **{**MESH, "ntp.precompile": "next_failure", "train.steps": 2,
+  config = micro_config(tmp_path, **{**MESH, "ntp.precompile": "next_failure", "train.steps": 2,
                                     "ntp.precompile_max_programs": 1})
   train(config, log=lambda line, *_, **__: lines.append(line), hooks=[WaitForAhead({1})])
   assert any("stopped at 1 programs (ntp.precompile_max_programs)" in line for line in lines)
@@ -118,4 +118,4 @@ def test_the_persistent_cache_lives_under_the_workdir_or_where_told(tmp_path, mo
                                          ("ntp.precompile_max_host_gb", -1.0)])
 def test_bad_precompile_settings_name_the_field(tmp_path, field, value):
   with pytest.raises(ConfigError, match=f"^{field}: "):
-    RunConfig.from_config(tiny_config(tmp_path, **{field: value}))
+    RunConfig.from_config(micro_config(tmp_path, **{field: value}))

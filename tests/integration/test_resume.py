@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import micro_config
 
 from ntp_jax.data.packed_dataset import PackedDataset
 from ntp_jax.errors import ConfigError
@@ -15,8 +15,8 @@ from ntp_jax.training.trainer import train
 
 
 def run(workdir, steps, ckpt_dir, log=None, **overrides):
-  """gpt_tiny for ``steps`` steps, a checkpoint every 6 and at the end, under ``ckpt_dir``."""
-  config = tiny_config(workdir, **{"train.steps": steps, **overrides})
+  """gpt_micro for ``steps`` steps, a checkpoint every 6 and at the end, under ``ckpt_dir``."""
+  config = micro_config(workdir, **{"train.steps": steps, **overrides})
   config.checkpoint.every = 6
   config.checkpoint.dir = str(ckpt_dir)
   return train(config, log=log or (lambda *_: None))
@@ -99,8 +99,8 @@ def test_checkpoint_of_another_model_and_a_damaged_one_are_one_line_errors(data_
     run(data_workdir, 4, ckpt, **{"model.d_ff": 256})
   text = str(err.value)
   assert text.startswith("checkpoint ") and "\n" not in text, text
-  assert "params/blocks/mlp/down/kernel has shape (2, 384, 128)" in text
-  assert "expects (2, 256, 128)" in text
+  assert "params/blocks/mlp/down/kernel has shape (2, 192, 64)" in text
+  assert "expects (2, 256, 64)" in text
   # Damage the data files of the checkpoint: a one-line error naming its folder.
   step_dir = ckpt / "2"
   data_files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir / "state") for f in fs
@@ -141,12 +141,13 @@ def test_checkpoint_dir_that_is_a_file_is_a_one_line_error(data_workdir, tmp_pat
 
 
 def test_a_checkpoint_of_another_seq_len_stops_before_a_tokenizer_is_trained(tmp_path):
-  """gpt_small in gpt_tiny's workdir: refused on train.seq_len before its BPE is trained."""
+  """Another sequence length in the same workdir: refused on train.seq_len before its BPE is
+  trained."""
   run(tmp_path, 1, tmp_path / "checkpoints")
   entries = sorted(os.listdir(tmp_path / "data"))
-  with pytest.raises(ConfigError, match=r"^train.seq_len: the checkpoint .* train.seq_len=64"):
+  with pytest.raises(ConfigError, match=r"^train.seq_len: the checkpoint .* train.seq_len=32"):
     run(tmp_path, 2, tmp_path / "checkpoints",
-        **{"train.seq_len": 32, "model.vocab_size": 1024})
+        **{"train.seq_len": 16, "model.vocab_size": 1024})
   assert sorted(os.listdir(tmp_path / "data")) == entries  # no tokenizer of 1,024 tokens
 
 
@@ -154,7 +155,7 @@ def test_a_checkpoint_of_another_vocabulary_stops_before_a_tokenizer_is_trained(
   run(tmp_path, 1, tmp_path / "checkpoints")
   entries = sorted(os.listdir(tmp_path / "data"))
   with pytest.raises(ConfigError, match=r"^checkpoint .*/1: params/embed/embedding has shape "
-                                        r"\(2048, 128\), the model expects \(1024, 128\)$"):
+                                        r"\(512, 64\), the model expects \(1024, 64\)$"):
     run(tmp_path, 2, tmp_path / "checkpoints", **{"model.vocab_size": 1024})
   assert sorted(os.listdir(tmp_path / "data")) == entries  # no tokenizer of 1,024 tokens
 
@@ -184,7 +185,7 @@ def test_a_run_in_parts_on_one_schedule_equals_the_whole_run(data_workdir, tmp_p
   first = run(data_workdir, 6, tmp_path / "parts", **lr, **{"train.schedule_steps": 10})
   shutil.copytree(tmp_path / "parts", tmp_path / "parts_other")
   lines = []
-  config = tiny_config(data_workdir, **{"train.steps": 10, "train.schedule_steps": 10, **lr})
+  config = micro_config(data_workdir, **{"train.steps": 10, "train.schedule_steps": 10, **lr})
   config.checkpoint.every, config.checkpoint.dir = 10, str(tmp_path / "parts")
   second = train(config, log=lines.append)
   assert second.start_step == 6
@@ -192,7 +193,7 @@ def test_a_run_in_parts_on_one_schedule_equals_the_whole_run(data_workdir, tmp_p
   assert not [line for line in lines if "schedule" in line]
   # Resumed with another schedule (train.steps=8 and no schedule_steps): one line says so.
   lines.clear()
-  config = tiny_config(data_workdir, **{"train.steps": 8, **lr})
+  config = micro_config(data_workdir, **{"train.steps": 8, **lr})
   config.checkpoint.every, config.checkpoint.dir = 10, str(tmp_path / "parts_other")
   train(config, log=lines.append)
   warned = [line for line in lines if "schedule" in line]

@@ -4,14 +4,14 @@
 import os
 import signal
 
-from helpers import tiny_config
+from helpers import micro_config
 
 from ntp_jax.training.run_plot import Mark, gather_series, run_title
 from ntp_jax.training.trainer import train
 
 
 def _config(workdir, steps):
-  config = tiny_config(workdir, **{"train.steps": steps, "train.eval_every": 2,
+  config = micro_config(workdir, **{"train.steps": steps, "train.eval_every": 2,
                                    "train.eval_sequences": 4, "checkpoint.every": 10})
   config.train.plot = True
   return config
@@ -36,5 +36,5 @@ def test_a_stopped_and_resumed_run_is_plotted_from_both_sessions(tmp_path):
   assert series.tokens_per_s[0] is None and series.tokens_per_s[3] is None  # compiled
   assert series.marks == [Mark(3, "stop", "stop (SIGTERM)"), Mark(3, "resume", "resume at 3")]
   title = run_title(str(tmp_path), _config(tmp_path, 6).model, series)
-  assert title == (f"{tmp_path}: models.gpt:model_spec (d_model 128, layers 2, vocab 2,048); "
+  assert title == (f"{tmp_path}: models.gpt:model_spec (d_model 64, layers 2, vocab 512); "
                    "mesh 1 x 8, TP degrees 8, 2 sessions")

@@ -4,7 +4,7 @@ line naming the field (in this process, from ``train``; the real
 
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import micro_config
 
 from ntp_jax.data import DataError
 from ntp_jax.errors import ConfigError
@@ -23,7 +23,7 @@ def test_losses_equal_for_uniform_nonuniform_and_single_device(workdir):
       "tp8-failed3": {"ntp.failed": "3"},
       "tp1": {"mesh.tp": 1},
   }
-  losses = {name: train(tiny_config(workdir, **o), log=lambda *_: None).losses
+  losses = {name: train(micro_config(workdir, **o), log=lambda *_: None).losses
             for name, o in runs.items()}
   for name in ("tp8-failed3", "tp1"):
     np.testing.assert_allclose(losses[name], losses["tp8"], rtol=1e-4, err_msg=name)
@@ -32,21 +32,21 @@ def test_losses_equal_for_uniform_nonuniform_and_single_device(workdir):
 
 def test_two_replicas_of_different_degree_match_single_device(workdir):
   """AdamW and clipping through the cross-class sync: replicas at TP degree 4 and 3."""
-  ntp = train(tiny_config(workdir, **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2",
+  ntp = train(micro_config(workdir, **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2",
                                       "ntp.rebalance": "equal"}), log=lambda *_: None)
-  single = train(tiny_config(workdir, **{"mesh.tp": 1}), log=lambda *_: None)
+  single = train(micro_config(workdir, **{"mesh.tp": 1}), log=lambda *_: None)
   assert [r.degree for r in ntp.plan.replicas] == [4, 3]
   np.testing.assert_allclose(ntp.losses, single.losses, rtol=1e-4)
 
 
 def test_metrics_jsonl_has_one_full_precision_record_per_step(workdir):
-  summary = train(tiny_config(workdir, **{"ntp.failed": "2,5", "train.steps": 3}),
+  summary = train(micro_config(workdir, **{"ntp.failed": "2,5", "train.steps": 3}),
                   log=lambda *_: None)
   records = read_metrics(summary.metrics_path)
   assert [r["step"] for r in records] == [0, 1, 2]
   for r, loss in zip(records, summary.losses):
     assert {"step", "loss", "tokens", "step_time_s", "tp_degree"} <= set(r)
-    assert r["loss"] == loss and r["tp_degree"] == 6 and r["tokens"] == 16 * 64
+    assert r["loss"] == loss and r["tp_degree"] == 6 and r["tokens"] == 16 * 32
     assert r["tp_degrees"] == [6]
 
 
@@ -60,7 +60,7 @@ def test_metrics_jsonl_has_one_full_precision_record_per_step(workdir):
 ])
 def test_a_bad_setting_is_one_line_naming_the_field(tmp_path, field, value):
   with pytest.raises(ConfigError) as err:
-    train(tiny_config(tmp_path, **{field: value}), log=lambda *_: None)
+    train(micro_config(tmp_path, **{field: value}), log=lambda *_: None)
   assert str(err.value).startswith(f"{field}:") and "\n" not in str(err.value), err.value
 
 
@@ -70,7 +70,7 @@ def test_a_missing_or_empty_corpus_is_one_line_naming_data_path(tmp_path, corpus
   if corpus == "empty":
     path.write_text("")
   with pytest.raises((ConfigError, DataError)) as err:
-    train(tiny_config(tmp_path, **{"data.path": str(path)}), log=lambda *_: None)
+    train(micro_config(tmp_path, **{"data.path": str(path)}), log=lambda *_: None)
   assert str(err.value).startswith("data.path:") and "\n" not in str(err.value), err.value
 
 
@@ -82,7 +82,7 @@ def test_a_missing_or_empty_corpus_is_one_line_naming_data_path(tmp_path, corpus
 ])
 def test_a_config_error_creates_nothing(tmp_path, field, value):
   """Refused before the workdir, its compile_cache or anything else is created."""
-  config = tiny_config(tmp_path / "run", **{field: value})
+  config = micro_config(tmp_path / "run", **{field: value})
   with pytest.raises((ConfigError, DataError)) as err:
     train(config, log=lambda *_: None)
   assert str(err.value).startswith(f"{field}:"), err.value

@@ -12,7 +12,7 @@ states are compared at 1e-5 of each leaf's norm, losses at 1e-6.
 import jax
 import numpy as np
 import pytest
-from helpers import WaitForAhead, tiny_config
+from helpers import WaitForAhead, micro_config
 
 from ntp_jax.model import load_model_spec
 from ntp_jax.parallel.job_step import JobStep
@@ -30,7 +30,7 @@ ZERO = {"train.optimizer_sharding": "zero1"}
 
 
 def config_of(folder, steps=STEPS, **overrides):
-  config = tiny_config(folder, **{"train.steps": steps, "mesh.dp": 2, "mesh.tp": 4,
+  config = micro_config(folder, **{"train.steps": steps, "mesh.dp": 2, "mesh.tp": 4,
                                   **overrides})
   config.checkpoint.every = steps
   return config

@@ -11,21 +11,20 @@ import time
 
 import numpy as np
 import pytest
-from helpers import ROOT, process_env, tiny_config
+from helpers import ROOT, micro_config, process_env
 
 import configs.gpt_tiny
 from ntp_jax.training.metrics import read_metrics, read_records
 from ntp_jax.training.trainer import train
 
 
-def _cli(*args, full_corpus=False, codegen=True, **popen):
-  """``train.py --config configs/gpt_tiny.py ARGS`` (on the first 300 kB of the corpus unless
+def _cli(*args, full_corpus=False, codegen=True, config="configs/gpt_micro.py", **popen):
+  """``train.py --config CONFIG ARGS`` (on the first 300 kB of the corpus unless
   ``full_corpus``), its own device count, the run's compilation cache (``codegen``:
   ``helpers.process_env``)."""
   env = process_env(codegen=codegen)
   corpus = [] if full_corpus else ["--config.data.max_corpus_bytes=300000"]
-  return subprocess.Popen([sys.executable, "train.py", "--config", "configs/gpt_tiny.py",
-                           *corpus, *args],
+  return subprocess.Popen([sys.executable, "train.py", "--config", config, *corpus, *args],
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, **popen)
 
@@ -115,7 +114,7 @@ def test_sigint_during_compilation_ends_cleanly(tmp_path):
 
 def test_plain_orbax_reads_the_checkpoint_on_one_device(tmp_path):
   """Written here on 8 devices, read by a process that has one and no ntp_jax."""
-  config = tiny_config(tmp_path, **{"train.steps": 2})
+  config = micro_config(tmp_path, **{"train.steps": 2})
   config.checkpoint.every = 2
   train(config, log=lambda *_: None)
   script = f"""
@@ -134,13 +133,14 @@ print(state["params"]["embed"]["embedding"].shape,
   result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, env=env, cwd=str(tmp_path))
   assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.strip() == "(2048, 128) (128, 2048)"
+  assert result.stdout.strip() == "(512, 64) (64, 512)"
 
 
 def test_default_tiny_run_lowers_the_loss(tmp_path):
   """The README's main command, as is (default steps and corpus), on simulated devices."""
+  # As a user runs it: the production codegen (150 steps run faster so).
   proc = _cli(f"--config.workdir={tmp_path}", "--config.ntp.failed=3", full_corpus=True,
-              codegen=False)  # as a user runs it; 150 steps run faster so
+              codegen=False, config="configs/gpt_tiny.py")
   rc, out, err = _finish(proc)
   assert rc == 0, err[-3000:]
   losses = [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")]

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import ROOT, process_env, tiny_config
+from helpers import ROOT, micro_config, process_env
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.launch import free_port
@@ -37,7 +37,7 @@ STEPS = 4
 
 
 def _train_args(workdir, *extra):
-  return [sys.executable, "train.py", "--config", "configs/gpt_tiny.py", *PLAN,
+  return [sys.executable, "train.py", "--config", "configs/gpt_micro.py", *PLAN,
           f"--config.workdir={workdir}", "--config.train.plot=False",
           "--config.train.eval_every=0", "--config.data.max_corpus_bytes=300000",
           "--config.train.log_every=1", *extra]
@@ -60,8 +60,8 @@ def single_process_losses(tmp_path_factory):
   (the learning-rate schedule follows train.steps, so the resumed steps use the longer one)."""
   workdir = tmp_path_factory.mktemp("single")
   plan = {"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2", "checkpoint.every": 2}
-  first = train(tiny_config(workdir, **plan, **{"train.steps": STEPS}), log=lambda *_: None)
-  resumed = train(tiny_config(workdir, **plan, **{"train.steps": STEPS + 2}),
+  first = train(micro_config(workdir, **plan, **{"train.steps": STEPS}), log=lambda *_: None)
+  resumed = train(micro_config(workdir, **plan, **{"train.steps": STEPS + 2}),
                   log=lambda *_: None)
   assert resumed.start_step == STEPS
   return first.losses + resumed.losses
@@ -179,7 +179,7 @@ def test_a_process_killed_at_any_point_stops_the_survivor_and_a_smaller_restart_
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resuming from step {latest}" in resumed.stdout
   # The same resume from a copy of that checkpoint, in this process: the same losses.
-  config = tiny_config(reference, **{"mesh.dp": 1, "mesh.tp": 4, "train.steps": latest + 2,
+  config = micro_config(reference, **{"mesh.dp": 1, "mesh.tp": 4, "train.steps": latest + 2,
                                      "checkpoint.every": 2})
   expected = train(config, log=lambda *_: None).losses
   records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
@@ -200,7 +200,7 @@ def test_uneven_collectives_across_processes_equal_numpy():
 
 
 def test_settings_from_config_and_launcher_variables():
-  config = tiny_config("/tmp/unused")
+  config = micro_config("/tmp/unused")
 
   def settings_from(config, environ):
     return settings_from_config(RunConfig.from_config(config).distributed, environ=environ)

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import ROOT, process_env, tiny_config
+from helpers import ROOT, micro_config, process_env
 
 from ntp_jax.launch import free_port
 from ntp_jax.processes.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
@@ -29,7 +29,7 @@ HEARTBEAT_S = 5
 
 
 def _args(workdir, settings, program="train.py"):
-  return [sys.executable, program, "--config", "configs/gpt_tiny.py",
+  return [sys.executable, program, "--config", "configs/gpt_micro.py",
           f"--config.workdir={workdir}", "--config.train.plot=False",
           "--config.train.eval_every=0", "--config.data.max_corpus_bytes=300000",
           *[f"--config.{k}={v}" for k, v in settings.items()]]
@@ -57,7 +57,7 @@ def _equal_losses(workdir, expected, steps=STEPS):
 def _reference(tmp_path, name, **settings):
   """The same run in this process: step -> loss, and its records."""
   workdir = tmp_path / name
-  result = train(tiny_config(workdir, **{**BASE, **settings}), log=lambda *_: None)
+  result = train(micro_config(workdir, **{**BASE, **settings}), log=lambda *_: None)
   records = _records(os.path.dirname(result.metrics_path))
   return _losses(records), records
 
@@ -70,29 +70,27 @@ def _launch(processes, workdir, settings, *, launcher=(), program="train.py", en
                         env=process_env(**(env or {})))
 
 
-@pytest.mark.parametrize("replica", [1, 0], ids=["process-1-replica", "process-0-replica"])
-def test_a_failure_and_repair_across_processes_recover_live(tmp_path, replica):
-  """The failure and repair of a device, with either replica damaged. With replica 0, in
-  recoverable mode: nothing is lost, and the processes still end cleanly (the coordination
-  service leaves recoverable tasks out of its shutdown barrier). Compiling ahead across
-  processes is checked where a process is lost (the next test; ``bench/lost_process.py``
-  case C measures it for a failure and a repair)."""
-  events = {"ntp.recovery": "live", "ntp.fail_at": f"4@{replica}:2",
-            "ntp.repair_at": f"8@{replica}:2"}
+def test_failures_and_repairs_in_either_process_recover_live(tmp_path):
+  """A device of replica 1 (process 1) fails and is repaired, then one of replica 0
+  (process 0, which hosts the coordination service), in recoverable mode: nothing is lost,
+  and the processes still end cleanly (the coordination service leaves recoverable tasks
+  out of its shutdown barrier). Compiling ahead across processes is checked where a process
+  is lost (below; ``bench/lost_process.py`` case C measures it for a failure and a repair)."""
+  events = {"ntp.recovery": "live", "ntp.fail_at": "3@1:2,7@0:2",
+            "ntp.repair_at": "5@1:2,9@0:2"}
   expected, _ = _reference(tmp_path, "one", **events)
   workdir = tmp_path / "two"
   done = _launch(2, workdir, {**BASE, **events, "checkpoint.every": 0, "ntp.precompile": "none",
-                              "distributed.recoverable": replica == 0})
+                              "distributed.recoverable": True})
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
   records = _equal_losses(workdir, expected)
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
-  damaged = [3, 4] if replica == 0 else [4, 3]
-  assert degrees[3] == [4, 4] and degrees[4] == damaged and degrees[7] == damaged
-  assert degrees[8] == [4, 4] and degrees[STEPS - 1] == [4, 4]
+  assert [degrees[s] for s in (2, 3, 4, 5, 6, 7, 8, 9, STEPS - 1)] == [
+      [4, 4], [4, 3], [4, 3], [4, 4], [4, 4], [3, 4], [3, 4], [4, 4], [4, 4]]
   recovered = [r for r in records if r.get("event") == "recovered"]
-  assert [r["path"] for r in recovered] == ["live", "live"]
-  # Replica `replica`'s own live slots hold part of its state; the rest crossed processes.
-  assert recovered[0]["crossed_bytes"] > 0
+  assert [r["path"] for r in recovered] == ["live"] * 4
+  # Each damaged replica's own live slots hold part of its state; the rest crossed processes.
+  assert recovered[0]["crossed_bytes"] > 0 and recovered[2]["crossed_bytes"] > 0
   assert "restoring" not in done.stdout and "resuming" not in done.stdout
 
 
@@ -214,10 +212,11 @@ def test_the_coordinators_loss_ends_the_job_and_a_rerun_resumes_from_the_last_ch
          "[1] (status 134" in done.stderr, done.stderr[-2000:]
   assert time.monotonic() - start < 240
   checkpoints = sorted(p for p in os.listdir(workdir / "checkpoints") if p.isdigit())
-  assert checkpoints[-1] == "6", checkpoints  # step 6's save may be the last, and whole
+  # Step 6's save runs in the background: it was whole before the loss, or it is not listed.
+  assert checkpoints[-1] in ("3", "6"), checkpoints
   again = _launch(2, workdir, settings, timeout=300)
   assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
-  assert "resuming from step 6" in again.stdout
+  assert f"resuming from step {checkpoints[-1]}" in again.stdout
   _equal_losses(workdir, expected)
 
 
