@@ -1,6 +1,6 @@
 """A lost GPU is a lost process: the damaged replica trains on at a reduced TP degree.
 
-  python bench/lost_process.py [--steps 30] [--after 15] [--heartbeat 5] [--cases A,B,C,D,E]
+  python bench/lost_process.py [--steps 30] [--after 15] [--heartbeat 5] [--cases A,B,C,D,E,F]
 
 gpt_tiny, dp=2 tp=4, on CPU devices, one job under ``python -m ntp_jax.launch``:
 
@@ -21,6 +21,11 @@ gpt_tiny, dp=2 tp=4, on CPU devices, one job under ``python -m ntp_jax.launch``:
   compiling ahead; process 1 (replica 1, piece 1) is killed after step ``after``: the
   survivors read the state back among themselves (piece 1 from replica 3) and move it
   live. Compared with ``ntp.fail_at={after+1}@1:0,{after+1}@1:1``.
+- **F**: B with the optimizer state sharded (zero1, two copies of one piece): process 7
+  (replica 1's slot 3) is killed, replica 1 trains on at degree 3, and process 3 (replica
+  0's slot 3, past the new t_min) holds no core device, so it gets each step's metrics
+  through its class (``parallel.metrics_handoff``), a program compiled ahead with the rest.
+  Compared with ``ntp.fail_at={after+1}@1:3``.
 
 Each case prints what the survivors did: exit status, TP degrees before and
 after, the global batch, steps redone, each ``recovered`` row's compile
@@ -77,7 +82,7 @@ def main():
   parser.add_argument("--steps", type=int, default=30)
   parser.add_argument("--after", type=int, default=15)
   parser.add_argument("--heartbeat", type=float, default=5.0)
-  parser.add_argument("--cases", default="A,B,C,D,E")
+  parser.add_argument("--cases", default="A,B,C,D,E,F")
   args = parser.parse_args()
   cases = set(args.cases.split(","))
   steps, after = args.steps, args.after
@@ -88,19 +93,22 @@ def main():
   print(f"`python bench/lost_process.py --steps {steps} --after {after} --heartbeat "
         f"{args.heartbeat:g} --cases {args.cases}` (cpu, gpt_tiny, dp=2 tp=4)\n")
   with tempfile.TemporaryDirectory() as tmp:
-    for case, processes, victim, slots in (("A", 4, 3, "1:2,1:3"), ("B", 8, 6, "1:2")):
+    sharded = {"train.optimizer_sharding": "zero1", "train.optimizer_copies": 2}
+    for case, processes, victim, slots, more in (("A", 4, 3, "1:2,1:3", {}),
+                                                 ("B", 8, 6, "1:2", {}),
+                                                 ("F", 8, 7, "1:3", sharded)):
       if case not in cases:
         continue
       fails = ",".join(f"{after + 1}@{s}" for s in slots.split(","))
-      reference = _reference(os.path.join(tmp, f"{case}ref"),
-                             {**base, "ntp.rebalance": "constant", "ntp.fail_at": fails})
+      reference = _reference(os.path.join(tmp, f"{case}ref"), {
+          **base, **more, "ntp.rebalance": "constant", "ntp.fail_at": fails})
       work = os.path.join(tmp, case)
-      settings = {**lose, "distributed.processes_per_domain": processes // 2}
+      settings = {**lose, **more, "distributed.processes_per_domain": processes // 2}
       done = _launch(work, settings, program="tests/programs/train_with_hooks.py",
                      launcher=["--run-on"], processes=processes,
                      env={"NTP_JAX_DIE_AFTER": f"{victim}:{after}", **WAIT})
-      _report(f"{case}: {processes} x {8 // processes}, process {victim} killed after step "
-              f"{after}", done, _rows(work), reference, steps)
+      _report(f"{case}: {processes} x {8 // processes}{', zero1 with 2 copies' if more else ''}, "
+              f"process {victim} killed after step {after}", done, _rows(work), reference, steps)
 
     if "C" in cases:
       events = {"ntp.recovery": "live", "ntp.fail_at": "20@1:2", "ntp.repair_at": "30@1:2",

@@ -1,7 +1,7 @@
 """Base configuration: every field the trainer reads, one comment each.
 
-Model files (gpt_tiny, gpt_small, gpt_8b) are small overlays on this one.
-Override any field on the command line: ``--config.train.steps=100``.
+Model files (gpt_micro, gpt_tiny, gpt_small, gpt_1b, gpt_8b, gpt_70b) are small overlays on
+this one. Override any field on the command line: ``--config.train.steps=100``.
 """
 
 import ml_collections

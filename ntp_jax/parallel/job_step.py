@@ -14,13 +14,13 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax import tree_utils
 
 from ntp_jax.parallel.accumulate import micro_starts
+from ntp_jax.parallel.metrics_handoff import hand_off, handoff_classes
 from ntp_jax.parallel.plan import Plan
 from ntp_jax.parallel.programs import (
   ClassProgram,
@@ -33,8 +33,7 @@ from ntp_jax.parallel.programs import (
 from ntp_jax.parallel.sync import synced_loss
 from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer, runs_of
 from ntp_jax.parallel.zero_survivors import SurvivorRebuild
-from ntp_jax.sharding.mesh import DP, TP
-from ntp_jax.sharding.topology import holds_mine, mine, processes_of
+from ntp_jax.sharding.topology import holds_mine
 
 
 class JobStep:
@@ -93,8 +92,7 @@ class JobStep:
       self.zero_state = self.zero.start(programs)
       # Classes holding a device of a process with no core device: the sharded update's
       # metrics reach that process through a program over the class mesh.
-      core = processes_of(self.sync.mesh)
-      self.handoff = [i for i, p in enumerate(programs) if processes_of(p.mesh) - core]
+      self.handoff = handoff_classes([p.mesh for p in programs], self.sync.mesh)
 
   @property
   def keys(self) -> list:
@@ -263,26 +261,9 @@ class JobStep:
         program.params = program.step.unpack(buffers, program.params)
     for i in self.handoff:
       if self.local[i]:
-        handed = self._hand_off(self.programs[i].mesh, metrics)
+        handed = hand_off(self.cache, self.programs[i].mesh, metrics)
         metrics = metrics or handed
     return metrics
-
-  def _hand_off(self, mesh, metrics: dict | None) -> dict:
-    """The sharded update's metrics (replicated over the core devices; None in a process
-    with none) replicated over the class ``mesh``: its replica 0's slot 0 (a core device)
-    gives them to every device of the class."""
-    program = self.cache.program(("metrics handoff", mesh), lambda: jax.jit(jax.shard_map(
-        _from_first_device, mesh=mesh, in_specs=P(DP, TP), out_specs=P())))
-    first = mesh.devices[0, 0]
-    sharding = NamedSharding(mesh, P(DP, TP))
-    inputs = {}
-    for name in ("loss", "grad_norm"):
-      held = {} if metrics is None else {s.device: s.data for s in metrics[name].addressable_shards}
-      inputs[name] = jax.make_array_from_single_device_arrays(
-          mesh.devices.shape, sharding,
-          [held[d].reshape(1, 1) if d == first else jax.device_put(_ZERO, d)
-           for d in mine(mesh)])
-    return program(inputs)
 
   def _zero2_update(self, batch: Any) -> tuple[list[dict | None], dict, dict]:
     """zero2: the micro-batch rounds (``_zero2_rounds``), then the update from the pieces."""
@@ -350,15 +331,6 @@ class JobStep:
             program.params, program.opt_state, x)
         metrics = metrics or class_metrics
     return metrics
-
-
-_ZERO = np.zeros((1, 1), np.float32)
-
-
-def _from_first_device(x: dict) -> dict:
-  """Inside a class body: each ``[1, 1]`` value from replica 0's slot 0, replicated."""
-  first = (jax.lax.axis_index(DP) == 0) & (jax.lax.axis_index(TP) == 0)
-  return {k: jax.lax.psum(jnp.where(first, v[0, 0], 0.0), (DP, TP)) for k, v in x.items()}
 
 
 def _abstract(x: Any) -> Any:

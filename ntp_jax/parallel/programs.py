@@ -24,7 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from ntp_jax.layers.params import TPParam
 from ntp_jax.layers.shard import replica_specs, spec_shardings, stack_replicas, unstack_local
+from ntp_jax.parallel import metrics_handoff
 from ntp_jax.parallel.accumulate import micro_batches
+from ntp_jax.parallel.metrics_handoff import handoff_classes
 from ntp_jax.parallel.plan import Plan, ReplicaClass
 from ntp_jax.parallel.steps import (
   ClassStep,
@@ -295,8 +297,9 @@ class PlanPrograms:
 
     Returns:
       ``(what, cache key or None, lowered)`` per program, in the order a recovery
-      needs them: state moves first, then each class's step, then the sync. Only
-      classes with a device in this process.
+      needs them: state moves first, then each class's step, then the sync (with
+      ``zero``, the sharded optimizer's programs and the metrics handoff,
+      ``metrics_handoff``). Only classes with a device in this process.
     """
     moves, steps, blocks, first = [], [], [], None
     if source is not None and jax.process_count() > 1 and not source.spans_processes:
@@ -344,6 +347,12 @@ class PlanPrograms:
                                               record=False)
       if key not in skip:
         steps += [(what, key, lowered) for what, lowered in sharded.lower_programs(blocks)]
+      # The processes holding no core device get the update's metrics through their class.
+      for i in handoff_classes(self.shapes.meshes, sync.mesh):
+        mesh, key = self.shapes.meshes[i], ("metrics handoff", self.shapes.meshes[i])
+        if holds_mine(mesh) and key not in skip:
+          steps.append((f"metrics handoff ({class_label(self.plan.classes[i])})", key,
+                        metrics_handoff.lower(self.cache, mesh)))
     elif (len(self.plan.classes) > 1 or self.split) and blocks:
       key, sync = cached_sync(self.cache, self.shapes.meshes, self.shapes.t_min, record=False)
       if key not in skip:

@@ -67,13 +67,13 @@ def assert_same_state(got, want, tolerance=1e-5):
 
 
 @pytest.mark.parametrize("failed, choices", [
-    ("", [("zero1", 1), ("zero1", 2), ("zero2", 1)]),
+    ("", [("zero1", 1), ("zero2", 2)]),
     ("1:3", [("zero1", 1), ("zero1", 2), ("zero2", 1), ("zero2", 2)])],
     ids=["degrees-4-4", "degrees-4-3"])
 def test_sharded_optimizers_train_as_the_replicated_one(tmp_path, failed, choices):
   """dp=2 tp=4, healthy (one class) and with a degree-3 replica (two classes, synced at
   t_min=3), two micro-batches a step (the degree-3 replica's 7 rows as 4 + 3): one copy
-  (two pieces) and two copies (one piece held twice)."""
+  (two pieces) and two copies (one piece held twice); with two classes, every choice."""
   micro = {"ntp.failed": failed, "train.microbatches": 2}
   base, base_dir = run(tmp_path / "replicated", **micro)
   want = stored(base_dir)
@@ -166,7 +166,7 @@ def test_zero1_with_one_copy_takes_the_restart_path_and_says_why(tmp_path):
 
 
 @pytest.mark.parametrize("sharding, microbatches, dtype", [
-    ("zero1", 1, "float32"), ("zero2", 2, "float32"), ("zero1", 1, "bfloat16")])
+    ("zero2", 2, "float32"), ("zero1", 1, "bfloat16")])
 def test_sharded_recoveries_compiled_ahead_compile_nothing(tmp_path, sharding, microbatches,
                                                           dtype):
   """dp=2 tp=2, two copies: a failure, a second one in the other replica and a repair, each

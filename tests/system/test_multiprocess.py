@@ -85,15 +85,6 @@ def test_two_processes_of_four_devices_equal_one_process(tmp_path, single_proces
 
 
 @pytest.mark.multiprocess
-def test_four_processes_of_two_devices_equal_one_process(tmp_path, single_process_losses):
-  """Each TP group spans two processes (one scale-up domain of two hosts)."""
-  done = _launch(4, tmp_path, f"--config.train.steps={STEPS}", "--config.checkpoint.every=0",
-                 "--config.distributed.processes_per_domain=2")
-  assert done.returncode == 0, done.stdout[-3000:]
-  np.testing.assert_allclose(_losses(tmp_path), single_process_losses[:STEPS], rtol=1e-6)
-
-
-@pytest.mark.multiprocess
 def test_checkpoints_refused_where_a_process_would_hold_no_piece(tmp_path):
   done = _launch(4, tmp_path, "--config.train.steps=1", "--config.checkpoint.every=1",
                  "--config.distributed.processes_per_domain=2", timeout=180)
@@ -189,14 +180,14 @@ def test_a_process_killed_at_any_point_stops_the_survivor_and_a_smaller_restart_
 
 @pytest.mark.multiprocess
 def test_uneven_collectives_across_processes_equal_numpy():
-  """All-gather and reduce-scatter of uneven float64 blocks over gloo, 30 repetitions."""
+  """All-gather and reduce-scatter of uneven float64 blocks over gloo, 10 repetitions."""
   command = [sys.executable, "-m", "ntp_jax.launch", "--processes=2", "--devices-per-process=4",
-             "--", sys.executable, "tests/programs/gloo_collectives.py", "30"]
+             "--", sys.executable, "tests/programs/gloo_collectives.py", "10"]
   done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                         env=process_env())
   assert done.returncode == 0, done.stdout[-3000:]
   for i in range(2):
-    assert f"[{i}] process {i}: 30 repetitions equal numpy" in done.stdout
+    assert f"[{i}] process {i}: 10 repetitions equal numpy" in done.stdout
 
 
 def test_settings_from_config_and_launcher_variables():

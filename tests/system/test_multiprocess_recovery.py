@@ -183,7 +183,8 @@ def test_lost_processes_leave_their_replica_at_a_lower_degree_then_drop_it_compi
 
 
 def test_a_failure_in_a_tp_group_over_two_processes_recovers_live(tmp_path):
-  """4 processes of 2 devices, one scale-up domain of two processes per replica."""
+  """4 processes of 2 devices, one scale-up domain of two processes per replica: the healthy
+  plan, then replicas of TP degree 3 and 4 (two classes) over them, equal to one process."""
   events = {"ntp.recovery": "live", "ntp.fail_at": "3@0:1", "train.steps": 6}
   expected, _ = _reference(tmp_path, "one", **events)
   workdir = tmp_path / "four"
