@@ -8,7 +8,7 @@ plans, whole multi-step jobs of mixed-degree replicas), ``integration`` (``train
 process), ``system`` (subprocesses and multi-process jobs). The fast tier is ``tests/unit
 tests/ops``.
 
-Many tests compile the same programs (gpt_tiny on the same plans) in several processes: xdist
+Many tests compile the same programs (gpt_micro on the same plans) in several processes: xdist
 workers and the ``train.py`` subprocesses they start. One persistent compilation cache per
 test run, shared through the environment, compiles each program once; it holds XLA
 executables keyed by the program and its options, so no result depends on it. It is
