@@ -58,9 +58,12 @@ def hand_off(cache: ProgramCache, mesh: Mesh, metrics: dict | None) -> dict:
   inputs = {}
   for name in NAMES:
     held = {} if metrics is None else {s.device: s.data for s in metrics[name].addressable_shards}
+    # The scalar goes through the host: reshaping it on its device would compile a program
+    # of its own on the way (one per device), past what was compiled ahead.
     inputs[name] = jax.make_array_from_single_device_arrays(
         mesh.devices.shape, sharding,
-        [held[d].reshape(1, 1) if d == first else jax.device_put(_ZERO, d) for d in mine(mesh)])
+        [jax.device_put(np.asarray(held[d], np.float32).reshape(1, 1) if d == first else _ZERO, d)
+         for d in mine(mesh)])
   return _program(cache, mesh)(inputs)
 
 

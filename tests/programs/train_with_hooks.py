@@ -50,6 +50,9 @@ class DieAfter(Hook):
       peer = 1 if self.process == 0 else 0
       key = arrival_key(self.epoch, self.step + 1, peer, "start")
       jax_distributed.global_state.client.blocking_key_value_get(key, 60_000)
+      # And every program this process dispatched has ended: with the sharded optimizer the
+      # step's last programs (each class's unpacking, TP collectives) may outlast its loss.
+      jax.block_until_ready(jax.live_arrays())
       os.kill(os.getpid(), signal.SIGKILL)
 
 
