@@ -1,8 +1,8 @@
 """Micro GPT (0.17M parameters): gpt_tiny narrowed, for smoke tests and the test suite.
 
-Every TP degree up to 8 still splits something unevenly (the vocabulary of 512 at degree 3, 5, 6
-and 7; 8 heads at degree 3). A step of 16 x 32 tokens takes about a tenth of a second on 2 CPU
-cores, so a run's time is mostly its compilation.
+As in gpt_tiny, a replica at TP degree 3, 5, 6 or 7 splits the vocabulary (512) and the 8 heads
+unevenly; at 2, 4 and 8 everything divides. A step of 16 x 32 tokens takes about a tenth of a
+second on 2 CPU cores, so a run's time is mostly its compilation.
 """
 
 from configs import gpt_tiny

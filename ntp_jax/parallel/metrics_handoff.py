@@ -35,8 +35,13 @@ def handoff_classes(meshes: Sequence[Mesh], core: Mesh) -> list[int]:
   return [i for i, mesh in enumerate(meshes) if processes_of(mesh) - core_processes]
 
 
+def cache_key(mesh: Mesh) -> tuple:
+  """The ``ProgramCache`` key of the handoff program over ``mesh``."""
+  return ("metrics handoff", mesh)
+
+
 def _program(cache: ProgramCache, mesh: Mesh):
-  return cache.program(("metrics handoff", mesh), lambda: jax.jit(jax.shard_map(
+  return cache.program(cache_key(mesh), lambda: jax.jit(jax.shard_map(
       _from_first_device, mesh=mesh, in_specs=P(DP, TP), out_specs=P())))
 
 

@@ -26,7 +26,6 @@ from ntp_jax.layers.params import TPParam
 from ntp_jax.layers.shard import replica_specs, spec_shardings, stack_replicas, unstack_local
 from ntp_jax.parallel import metrics_handoff
 from ntp_jax.parallel.accumulate import micro_batches
-from ntp_jax.parallel.metrics_handoff import handoff_classes
 from ntp_jax.parallel.plan import Plan, ReplicaClass
 from ntp_jax.parallel.steps import (
   ClassStep,
@@ -348,11 +347,11 @@ class PlanPrograms:
       if key not in skip:
         steps += [(what, key, lowered) for what, lowered in sharded.lower_programs(blocks)]
       # The processes holding no core device get the update's metrics through their class.
-      for i in handoff_classes(self.shapes.meshes, sync.mesh):
-        mesh, key = self.shapes.meshes[i], ("metrics handoff", self.shapes.meshes[i])
-        if holds_mine(mesh) and key not in skip:
-          steps.append((f"metrics handoff ({class_label(self.plan.classes[i])})", key,
-                        metrics_handoff.lower(self.cache, mesh)))
+      for i in metrics_handoff.handoff_classes(self.shapes.meshes, sync.mesh):
+        mesh = self.shapes.meshes[i]
+        if holds_mine(mesh) and metrics_handoff.cache_key(mesh) not in skip:
+          steps.append((f"metrics handoff ({class_label(self.plan.classes[i])})",
+                        metrics_handoff.cache_key(mesh), metrics_handoff.lower(self.cache, mesh)))
     elif (len(self.plan.classes) > 1 or self.split) and blocks:
       key, sync = cached_sync(self.cache, self.shapes.meshes, self.shapes.t_min, record=False)
       if key not in skip:
