@@ -64,7 +64,9 @@ def _report(name, done, rows, reference, steps):
   losses = _losses(rows)
   degrees = [r["tp_degrees"] for r in rows if "tp_degrees" in r and "event" not in r]
   batches = sorted({r["global_batch"] for r in rows if "global_batch" in r})
+  # The most over the plan's live processes (each one's: compile_s_by_process).
   compile_s = [round(r["compile_s"], 2) for r in _events(rows, "recovered")]
+  processes = [len(r.get("compile_s_by_process", [])) for r in _events(rows, "recovered")]
   ahead = [r["compiled_ahead"] for r in _events(rows, "recovered")]
   paths = [r["path"] for r in _events(rows, "recovered")]
   redone = next((line.split("redone: ")[1] for line in done.stdout.splitlines()
@@ -73,7 +75,8 @@ def _report(name, done, rows, reference, steps):
   diff = max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in common)
   print(f"{name}: exit {done.returncode}, steps {len(losses)}/{steps}, TP degrees "
         f"{degrees[0]} -> {degrees[-1]}, global batch {batches}, redone {redone}, "
-        f"recovered {paths} compile_s {compile_s} (compiled ahead {ahead}), max relative loss "
+        f"recovered {paths} compile_s {compile_s} (the most over {processes} processes; "
+        f"compiled ahead {ahead}), max relative loss "
         f"difference {diff:.1e} over {len(common)} steps")
 
 

@@ -19,6 +19,7 @@ them then (``heartbeat.Heartbeat``'s take-over).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 
 from ntp_jax.processes.heartbeat import Heartbeat
@@ -40,6 +41,7 @@ class ProcessLost(Exception):
 
 
 ARRIVAL_PREFIX = "ntp_jax/arrived"
+REPORT_PREFIX = "ntp_jax/report"
 
 
 def arrival_key(epoch: int, step: int, process: int, phase: str = "sync") -> str:
@@ -93,3 +95,31 @@ class Arrival:
       self.client.key_value_delete(self.key(step - 2, self.process_id, phase))
     except Exception:
       pass
+
+  def report(self, name: str, step: int, value: str, processes: Collection[int],
+             reader: int = 0, timeout_s: float = 30.0) -> dict[int, str | None]:
+    """Every process of ``processes`` says ``value`` under ``name`` at ``step``; ``reader``
+    (process 0: it writes the metrics) waits for each peer's, the others return at once.
+
+    The reader waits at most ``timeout_s`` in all, and not for a peer the heartbeat has
+    declared lost: such a peer's value is None (the next arrival meets the loss; a report
+    raises nothing).
+
+    Returns:
+      ``process -> value`` for the reader (its own included); ``{}`` for the others.
+    """
+    prefix = f"{REPORT_PREFIX}/{self.epoch}/{step}/{name}"
+    self.client.key_value_set(f"{prefix}/{self.process_id}", value, allow_overwrite=True)
+    if self.process_id != reader:
+      return {}
+    values: dict[int, str | None] = {self.process_id: value}
+    deadline = time.monotonic() + timeout_s
+    for peer in sorted(set(processes) - {self.process_id}):
+      values[peer] = None
+      while time.monotonic() < deadline and peer not in self.heartbeat.lost_processes:
+        try:
+          values[peer] = self.client.blocking_key_value_get(f"{prefix}/{peer}", self.poll_ms)
+          break
+        except Exception:  # not there yet (the wait timed out)
+          pass
+    return values

@@ -125,7 +125,10 @@ class TrainingRun:
     self.writer, self.log, self.job, self.hooks = writer, log, job, list(hooks)
     self.state = RunState(frozenset(failed))
     self.guard = ProcessGuard(job, devices, log, writer.event)
-    self.recoveries = Recoveries(writer.event, compile_seconds)
+    self.recoveries = Recoveries(
+        writer.event, compile_seconds,
+        gather=lambda step, seconds: self.guard.compile_seconds_of(step, self.state.plan,
+                                                                   seconds))
     self.clock = GoodputClock()
     self.cache = ProgramCache()
     self.precompiler = None

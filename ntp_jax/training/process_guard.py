@@ -109,6 +109,19 @@ class ProcessGuard:
     """
     self.arrival.wait(step, self.plan_processes(plan) - self.lost_processes, phase)
 
+  def compile_seconds_of(self, step: int, plan: Plan, seconds: float
+                         ) -> dict[int, float | None] | None:
+    """Each live process's ``seconds`` (compile seconds of a recovery, to its first step
+    ``step`` on ``plan``), gathered by process 0 (``Arrival.report``; None for a peer lost
+    or silent for 30 s); None on the other processes, and in a job that does not arrive."""
+    if not self.arrives_at_start(plan):
+      return None
+    said = self.arrival.report("compile_s", step, repr(seconds),
+                               self.plan_processes(plan) - self.lost_processes)
+    if not said:
+      return None
+    return {p: None if v is None else float(v) for p, v in sorted(said.items())}
+
   def step_starts(self, compiles: bool) -> None:
     """A loss found while a step compiles is taken over once it has: allow for that."""
     if self.arrival is not None and compiles:

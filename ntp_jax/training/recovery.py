@@ -47,14 +47,27 @@ class RecoveryRecord:
   crossed_bytes: int | None = None
   redo: int | None = None
 
-  def event_fields(self, compile_s: float, first_step_s: float | None) -> dict[str, Any]:
+  def event_fields(self, compile_s: float, first_step_s: float | None,
+                   by_process: dict[int, float | None] | None = None) -> dict[str, Any]:
     """The ``recovered`` event's fields: those set, ``compile_s`` (this thread's compile
-    seconds from the failure to the end of the first step), ``compiled_ahead`` and
-    ``first_step_s`` (None: no step ran on the new plan)."""
+    seconds from the failure to the end of the first step; with ``by_process``, every
+    process's, the most of them), ``compiled_ahead`` and ``first_step_s`` (None: no step ran
+    on the new plan).
+
+    Args:
+      by_process: several processes: each live one's compile seconds over the same span
+        (None: not heard from), written as ``compile_s_by_process`` (``[process, seconds]``
+        pairs).
+    """
     fields = {k: getattr(self, k) for k in ("path", "seconds", "plan_s", "wait_s", "move_s",
                                             "transfer_s", "copied_bytes", "crossed_bytes", "redo")
               if getattr(self, k) is not None}
     fields["compile_s"] = round(compile_s, 3)
+    if by_process:
+      fields["compile_s"] = round(max([compile_s] + [s for s in by_process.values()
+                                                     if s is not None]), 3)
+      fields["compile_s_by_process"] = [[p, None if s is None else round(s, 3)]
+                                        for p, s in sorted(by_process.items())]
     fields["compiled_ahead"] = self.ahead
     if first_step_s is not None:
       fields["first_step_s"] = first_step_s
@@ -67,10 +80,14 @@ class Recoveries:
   Args:
     event: ``(kind, **fields) -> None`` (``metrics.MetricsWriter.event``).
     compile_seconds: ``() -> float``: this thread's compile seconds so far.
+    gather: ``(step, seconds) -> {process: seconds} | None``: every process's compile
+      seconds of the recovery whose first step is ``step`` (several processes:
+      ``ProcessGuard.compile_seconds_of``); called in every process, after a step only.
   """
 
-  def __init__(self, event: Callable[..., None], compile_seconds: Callable[[], float]):
-    self._event, self._compile_seconds = event, compile_seconds
+  def __init__(self, event: Callable[..., None], compile_seconds: Callable[[], float],
+               gather: Callable[[int, float], dict[int, float | None] | None] | None = None):
+    self._event, self._compile_seconds, self._gather = event, compile_seconds, gather
     self.pending: RecoveryRecord | None = None
 
   def begin(self, start: float, compiled: float, **fields: Any) -> RecoveryRecord:
@@ -85,5 +102,9 @@ class Recoveries:
     if self.pending is None:
       return
     record, self.pending = self.pending, None
-    self._event("recovered", step=step, **record.event_fields(
-        self._compile_seconds() - record.compiled, first_step_s))
+    compile_s = self._compile_seconds() - record.compiled
+    by_process = None
+    if self._gather is not None and first_step_s is not None:
+      by_process = self._gather(step, compile_s)
+    self._event("recovered", step=step, **record.event_fields(compile_s, first_step_s,
+                                                              by_process))

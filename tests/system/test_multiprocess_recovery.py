@@ -177,6 +177,9 @@ def test_lost_processes_leave_their_replica_at_a_lower_degree_then_drop_it_compi
   assert [r["path"] for r in recovered] == ["live", "live"]
   for row in recovered:  # the moves across processes, the new classes' steps and sync
     assert row["compiled_ahead"] and row["compile_s"] == 0.0, row
+  # Every survivor of the plan says it compiled nothing on the way, not process 0 alone.
+  assert [r["compile_s_by_process"] for r in recovered] == [
+      [[0, 0.0], [1, 0.0], [2, 0.0]], [[0, 0.0], [1, 0.0]]]
   assert recovered[0]["crossed_bytes"] > 0  # replica 1's lost slot came from replica 0
   assert "redone: 2 step(s)" in done.stdout
   assert {r["global_batch"] for r in records if "global_batch" in r} == {16}

@@ -43,6 +43,26 @@ def test_a_recovery_is_written_once_its_first_step_ran_with_only_the_fields_it_s
                                           "compile_s": 0.0, "compiled_ahead": False})
 
 
+def test_a_recovery_over_several_processes_says_each_ones_compile_seconds_and_the_most():
+  events, compiled, asked = Events(), [10.0], []
+
+  def gather(step, seconds):
+    asked.append((step, seconds))
+    return {0: seconds, 1: 2.5, 2: None}  # process 2 was not heard from
+
+  recoveries = Recoveries(events, lambda: compiled[0], gather=gather)
+  recoveries.begin(100.0, 10.0).path = "live"
+  compiled[0] = 10.5
+  recoveries.finish(7, 0.125)
+  assert asked == [(7, 0.5)]
+  fields = events.rows[0][1]
+  assert fields["compile_s"] == 2.5  # the slowest process's: the others wait for it
+  assert fields["compile_s_by_process"] == [[0, 0.5], [1, 2.5], [2, None]]
+  recoveries.begin(200.0, 10.5)
+  recoveries.finish(9, None)  # no step on the plan: the processes are not asked
+  assert asked == [(7, 0.5)] and "compile_s_by_process" not in events.rows[1][1]
+
+
 def test_the_run_state_counts_redone_steps_after_a_rewind():
   state = RunState(frozenset())
   state.start_at(4, 40)
@@ -110,6 +130,19 @@ def test_the_guard_waits_for_every_process_and_raises_when_one_is_lost():
   with pytest.raises(ProcessLost) as lost:
     guard.arrive(3, plan, "sync")
   assert lost.value.processes == {1} and heartbeat.taken == 1
+
+
+def test_process_0_gathers_every_live_processs_compile_seconds_and_skips_a_lost_one():
+  guard, plan, heartbeat, store, _, _ = guard_of_two_processes(recoverable=True)
+  arrival = guard.arrival
+  store.key_value_set("ntp_jax/report/0/7/compile_s/1", "0.25")
+  assert guard.compile_seconds_of(7, plan, 0.5) == {0: 0.5, 1: 0.25}
+  assert store.values["ntp_jax/report/0/7/compile_s/0"] == "0.5"
+  heartbeat.lost_processes = {1}  # silent and lost: not waited for
+  assert guard.compile_seconds_of(8, plan, 0.0) == {0: 0.0, 1: None}
+  arrival.process_id = 1  # another process says its own and reads nothing
+  assert arrival.report("compile_s", 9, "1.0", {0, 1}) == {}
+  assert store.values["ntp_jax/report/0/9/compile_s/1"] == "1.0"
 
 
 def test_tp_groups_across_processes_wait_at_the_start_of_a_step_only():
