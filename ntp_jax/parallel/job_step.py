@@ -179,7 +179,11 @@ class JobStep:
       blocks = jax.eval_shape(local[0][1].pack, local[0][2])
       out = [(f"optimizer state read back ({class_label(c)})", None, lowered)
              for c, step, params in local for lowered in step.lower_read_back(params)]
-      return out + [("optimizer state read back (gather)", None, zero.lower_gather([blocks]))]
+      out.append(("optimizer state read back (gather)", None, zero.lower_gather([blocks])))
+      live = zero.lower_gather_live([blocks])  # after a failure: pieces from live copies
+      if live is not None:
+        out.append(("optimizer state read back from live copies (gather)", None, live))
+      return out
 
     return lower
 

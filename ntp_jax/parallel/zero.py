@@ -68,7 +68,7 @@ from optax import tree_utils
 
 from ntp_jax.parallel.master_weights import MASTER
 from ntp_jax.parallel.sync import LOSS_DTYPE, CrossClassSync
-from ntp_jax.sharding.topology import holds_mine, is_mine, mine
+from ntp_jax.sharding.topology import holds_mine
 
 COPY = "copy"  # axis of the piece mesh: the replicas holding one piece
 PIECE = "piece"  # axis of the piece mesh: which piece of the peer group's buffer
@@ -212,6 +212,7 @@ class ShardedOptimizer:
     self._update = jax.jit(self._update_fn, donate_argnums=(1,))
     self._scatter = jax.jit(self._scatter_fn)
     self._gather = jax.jit(self._gather_fn, static_argnames=("lengths",))
+    self._gather_live = jax.jit(self._gather_live_fn, static_argnames=("lengths",))
     self._start = jax.jit(self._start_fn)
     self._accumulate = jax.jit(self._accumulate_fn, donate_argnums=(1,))
     self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1), static_argnames=("lengths",))
@@ -246,6 +247,39 @@ class ShardedOptimizer:
                           [:length[name]]) for name, x in local.items()}
 
     return self._map(body, (PIECE_SPEC,), PIECE_SPEC, pieces)
+
+  def _gather_live_fn(self, pieces: dict, givers: jax.Array,
+                      lengths: tuple[tuple[str, int], ...]) -> dict:
+    """``_gather_fn`` with each piece read from one chosen holder: ``givers`` (int32
+    ``[R, t_min]``, ``live_givers``) is 1 on the device that gives its piece to its
+    ``'copy'`` group. The givers' bits, summed over ``'copy'`` as unsigned integers with
+    zeros from the others, come back exactly (``-0.0`` and NaN payloads too), whichever
+    process holds them."""
+    length = dict(lengths)
+
+    def body(local, give):
+      out = {}
+      for name, x in local.items():  # x: [1, 1, n]
+        bits = jax.lax.bitcast_convert_type(x[0, 0], jnp.uint32)
+        bits = jax.lax.psum(jnp.where(give[0, 0] > 0, bits, jnp.zeros_like(bits)), COPY)
+        piece = jax.lax.bitcast_convert_type(bits, MASTER_DTYPE)
+        out[name] = _lead(jax.lax.all_gather(piece, PIECE, axis=0, tiled=True)
+                          [:length[name]])
+      return out
+
+    return self._map(body, (PIECE_SPEC, PIECE_SPEC), PIECE_SPEC, pieces, givers)
+
+  def live_givers(self, dead: Collection[jax.Device]) -> jax.Array:
+    """int32 ``[R, t_min]`` over the piece mesh: 1 on each piece's first holder (in
+    ``'copy'`` order) outside ``dead``, 0 elsewhere (``_gather_live_fn``). Every piece must
+    have such a holder (``_check_copies_reachable``)."""
+    grid = self.mesh.devices
+    table = np.zeros(grid.shape, np.int32)
+    for p, j in np.ndindex(grid.shape[1:]):
+      c = next(c for c in range(grid.shape[0]) if grid[c, p, j] not in dead)
+      table[c, p, j] = 1
+    table = table.reshape(-1, grid.shape[2])  # row c * pieces + p: PIECE_SPEC's order
+    return jax.make_array_from_callback(table.shape, self.sharding, lambda i: table[i])
 
   def _start_fn(self, params: dict, mu: dict, nu: dict, count: jax.Array) -> dict:
     """The sharded state from the class layout's (already packed and cut into pieces)."""
@@ -425,19 +459,17 @@ class ShardedOptimizer:
       state: the sharded state (None in a process with no core device: it joins the
         classes' programs only).
       count: the optimizer's step count (host int, the same in every process).
-      dead: devices whose pieces must not be read: each is taken from another copy (every
-        program here runs on them: a lost process's devices are the caller's to refuse,
-        ``JobStep.optimizer_states``).
+      dead: devices whose pieces must not be read: each is taken from another copy, in
+        this process or another (``_gather_live_fn``; every program here runs on them: a
+        lost process's devices are the caller's to refuse, ``JobStep.optimizer_states``).
 
     Raises:
-      LookupError: a piece is held by dead devices only, or its live copy lies in another
-        process than the dead device (one line, for the log; the same in every process,
-        from the plan's devices alone).
+      LookupError: a piece is held by dead devices only (one line, for the log; the same
+        in every process, from the plan's devices alone).
     """
-    self._check_copies_reachable(set(dead))
-    if dead and state is not None:
-      state = jax.tree.map(lambda x: self._from_live_copies(x, set(dead)) if x.ndim else x,
-                           state)
+    dead = set(dead) & set(self.mesh.devices.flat)  # past t_min: no piece to replace
+    self._check_copies_reachable(dead)
+    givers = self.live_givers(dead) if dead and state is not None else None
     opt = None if state is None else state["opt"]
     local = [holds_mine(p.mesh) for p in programs]
 
@@ -450,9 +482,10 @@ class ShardedOptimizer:
                            next(t for t in templates if t is not None).items()))
 
     def unpacked(name):
-      full = (None if state is None else self._gather(
-          state["master"] if name == MASTER else tree_utils.tree_get(opt, name),
-          lengths=lengths))
+      pieces = None if state is None else (
+          state["master"] if name == MASTER else tree_utils.tree_get(opt, name))
+      full = (None if pieces is None else self._gather(pieces, lengths=lengths)
+              if givers is None else self._gather_live(pieces, givers, lengths=lengths))
       buffers = self.sync.unstack(templates, full)
       return [p.step.unpack(b, zeros(p)) if here else None
               for p, b, here in zip(programs, buffers, local)]
@@ -486,34 +519,13 @@ class ShardedOptimizer:
 
   def _check_copies_reachable(self, dead: set) -> None:
     """Raises ``LookupError`` where ``class_opt_states`` cannot give the state back: a piece
-    held by dead devices only, or a dead device's first live copy in another process
-    (pieces do not move between processes: that would take a collective, not built)."""
+    held by dead devices only."""
     grid = self.mesh.devices
     for (_, p, j), device in np.ndenumerate(grid):
-      if device not in dead:
-        continue
-      live = [grid[c, p, j] for c in range(grid.shape[0]) if grid[c, p, j] not in dead]
-      if not live:
+      if device in dead and all(grid[c, p, j] in dead for c in range(grid.shape[0])):
         raise LookupError(
             f"optimizer state piece {p} of peer group {j} was held by failed devices only "
             f"(train.optimizer_copies={self.settings.copies})")
-      if live[0].process_index != device.process_index:
-        raise LookupError(
-            f"optimizer state piece {p} of peer group {j}: its live copy is in process "
-            f"{live[0].process_index}, the failed device's in {device.process_index}, and "
-            "pieces are rebuilt from copies in one process only")
-
-  def _from_live_copies(self, array: jax.Array, dead: set) -> jax.Array:
-    """``array`` (a piece leaf) with each of this process's dead devices' pieces copied from
-    its first live holder (in this process: ``_check_copies_reachable``)."""
-    by_device = {s.device: s.data for s in array.addressable_shards}
-    grid = self.mesh.devices
-    for (_, p, j), device in np.ndenumerate(grid):
-      if device in dead and is_mine(device):
-        live = next(grid[c, p, j] for c in range(grid.shape[0]) if grid[c, p, j] not in dead)
-        by_device[device] = jax.device_put(by_device[live], device)
-    return jax.make_array_from_single_device_arrays(array.shape, array.sharding,
-                                                    [by_device[d] for d in mine(self.mesh)])
 
   def lower_programs(self, class_blocks: Sequence[dict[str, Any]]
                      ) -> list[tuple[str, jax.stages.Lowered]]:
@@ -561,6 +573,18 @@ class ShardedOptimizer:
     lowered; ``class_blocks`` as for ``lower_step``."""
     lengths = tuple(sorted((name, x.shape[-1]) for name, x in class_blocks[0].items()))
     return self._gather.lower(self.abstract_state(class_blocks)["master"], lengths=lengths)
+
+  def lower_gather_live(self, class_blocks: Sequence[dict[str, Any]]
+                        ) -> jax.stages.Lowered | None:
+    """The gathering from live copies after a failure (``_gather_live_fn``), lowered; None
+    with one copy of each piece (a failed holder's piece then has no live copy)."""
+    if self.mesh.devices.shape[0] == 1:
+      return None
+    lengths = tuple(sorted((name, x.shape[-1]) for name, x in class_blocks[0].items()))
+    copies, pieces, t_min = self.mesh.devices.shape
+    givers = jax.ShapeDtypeStruct((copies * pieces, t_min), np.int32, sharding=self.sharding)
+    return self._gather_live.lower(self.abstract_state(class_blocks)["master"], givers,
+                                   lengths=lengths)
 
   def abstract_state(self, class_blocks: Sequence[dict[str, Any]]) -> dict:
     """The state ``start`` makes, as ``jax.ShapeDtypeStruct``s over ``self.mesh`` (nothing

@@ -262,17 +262,19 @@ def test_a_lost_process_holding_optimizer_pieces_takes_the_restart_path(tmp_path
 
 def test_a_lost_process_holding_optimizer_pieces_rebuilds_them_live_from_copies(tmp_path):
   """zero1 with two copies of two pieces, 4 processes of one replica each (dp=4 tp=2),
-  recoverable: process 1 (replica 1, piece 1) is lost after step 4. The three survivors
-  read the state back among themselves (piece 1 from replica 3) and move it onto their
-  plan live: the losses equal one process's run whose replica 1 fails at step 5.
-  (Compiled ahead, the same run compiles nothing on the way: ``bench/lost_process.py``
-  case E; here it would add a minute.)"""
+  recoverable. At step 3 replica 0's slot 0 fails in live process 0: its piece's only
+  live copy is replica 2's, in process 2, and comes from there. Process 1 (replica 1,
+  piece 1) is lost after step 4: the three survivors read the state back among themselves
+  (piece 1 from replica 3) and move it onto their plan live. The losses equal one
+  process's run with the same failures. (Compiled ahead, the lost process's recovery
+  compiles nothing on the way: ``bench/lost_process.py`` case E; here it would add a
+  minute.)"""
   settings = {"mesh.dp": 4, "mesh.tp": 2, "train.optimizer_sharding": "zero1",
               "train.optimizer_copies": 2, "ntp.recovery": "live"}
   expected, _ = _reference(tmp_path, "one", **settings, **{
-      "ntp.fail_at": "5@1:0,5@1:1"})
+      "ntp.fail_at": "3@0:0,5@1:0,5@1:1"})
   workdir = tmp_path / "four"
-  done = _launch(4, workdir, {**BASE, **settings, "checkpoint.every": 0,
+  done = _launch(4, workdir, {**BASE, **settings, "checkpoint.every": 0, "ntp.fail_at": "3@0:0",
                               "distributed.recoverable": True,
                               "distributed.heartbeat_timeout_s": HEARTBEAT_S,
                               "ntp.precompile": "none"},
@@ -282,4 +284,4 @@ def test_a_lost_process_holding_optimizer_pieces_rebuilds_them_live_from_copies(
   assert "live recovery impossible" not in done.stdout, done.stdout[-3000:]
   records = _equal_losses(workdir, expected)
   recovered = [r for r in records if r.get("event") == "recovered"]
-  assert [r["path"] for r in recovered] == ["live"]
+  assert [r["path"] for r in recovered] == ["live", "live"]  # before: the restart path
