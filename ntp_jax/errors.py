@@ -25,9 +25,18 @@ def too_few_devices(fields: tuple[str, ...], needed: int, present: int, platform
   """
   message = (f"{' x '.join(fields)}: {needed} devices needed, {present} present ({platform}"
              + (f", {processes} processes)" if processes > 1 else ")"))
-  if platform == "cpu":
-    per_process = -(-needed // processes)
+  if platform == "cpu" and needed % processes:  # no device count per process gives it
+    counts = [p for p in range(1, needed + 1) if needed % p == 0 and p != processes]
+    near = sorted(counts, key=lambda p: (abs(p - processes), p))[:2]
+    first = min(near)  # more devices per process: TP groups more likely stay whole
+    message += (f"; {needed} devices do not split evenly over {processes} processes: run "
+                f"{' or '.join(str(p) for p in sorted(near))} processes (e.g. python -m "
+                f"ntp_jax.launch --processes={first} --devices-per-process={needed // first}),"
+                f" or change {' or '.join(fields)}")
+  elif platform == "cpu":
     message += (f"; on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count="
-                f"{per_process} before JAX starts (before its first use of a device), or "
-                f"lower {' or '.join(fields)}")
+                f"{needed // processes} before JAX starts (before its first use of a device"
+                + (", in every process: python -m ntp_jax.launch --devices-per-process="
+                   f"{needed // processes}" if processes > 1 else "")
+                + f"), or lower {' or '.join(fields)}")
   return ConfigError(message)

@@ -36,3 +36,9 @@ def test_the_hint_is_for_cpu_only_and_counts_per_process():
   on_gpu = too_few_devices(("mesh.tp",), 8, 4, "gpu")
   assert str(on_gpu) == "mesh.tp: 8 devices needed, 4 present (gpu)"
   assert "device_count=4 before" in str(too_few_devices(("mesh.dp", "mesh.tp"), 8, 2, "cpu", 2))
+  # 8 devices over 3 processes: no count per process gives them; the nearest counts that do.
+  uneven = str(too_few_devices(("mesh.dp", "mesh.tp"), 8, 6, "cpu", 3))
+  assert uneven == ("mesh.dp x mesh.tp: 8 devices needed, 6 present (cpu, 3 processes); 8 "
+                    "devices do not split evenly over 3 processes: run 2 or 4 processes (e.g. "
+                    "python -m ntp_jax.launch --processes=2 --devices-per-process=4), or "
+                    "change mesh.dp or mesh.tp")
