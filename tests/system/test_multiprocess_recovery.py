@@ -62,6 +62,13 @@ def _reference(tmp_path, name, **settings):
   return _losses(records), records
 
 
+@pytest.fixture(scope="module")
+def base_losses(tmp_path_factory):
+  """The plain run (``BASE``, no events) in this process: step -> loss. Two tests compare
+  with it (a just-in-time checkpoint, the coordinator's loss); it is run once for both."""
+  return _reference(tmp_path_factory.mktemp("base"), "one")[0]
+
+
 def _launch(processes, workdir, settings, *, launcher=(), program="train.py", env=None,
             timeout=600):
   command = [sys.executable, "-m", "ntp_jax.launch", f"--processes={processes}", *launcher,
@@ -124,8 +131,8 @@ def _run_until_killed(workdir, settings, die_after, processes=2):
 
 
 def test_a_lost_process_leaves_a_just_in_time_checkpoint_and_a_smaller_restart_resumes(
-    tmp_path):
-  expected, _ = _reference(tmp_path, "one")
+    tmp_path, base_losses):
+  expected = base_losses
   workdir = tmp_path / "two"
   settings = {**BASE, "checkpoint.every": 1000,
               "distributed.heartbeat_timeout_s": HEARTBEAT_S}
@@ -201,11 +208,11 @@ def test_a_failure_in_a_tp_group_over_two_processes_recovers_live(tmp_path):
 
 
 def test_the_coordinators_loss_ends_the_job_and_a_rerun_resumes_from_the_last_checkpoint(
-    tmp_path):
+    tmp_path, base_losses):
   """Process 0 hosts JAX's coordination service: when it dies, JAX ends the other processes
   (a check failure, SIGABRT) at once; the launcher says so in one line, the checkpoints
   already written are whole, and running the job again resumes exactly."""
-  expected, _ = _reference(tmp_path, "one")
+  expected = base_losses
   workdir = tmp_path / "two"
   settings = {**BASE, "checkpoint.every": 3, "distributed.heartbeat_timeout_s": HEARTBEAT_S}
   start = time.monotonic()
