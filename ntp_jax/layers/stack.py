@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ntp_jax.layers.params import TPParam
+from ntp_jax.layers.remat_scan import remat_scan
 
 # ``model.remat`` names -> what the backward pass keeps of each layer (``jax.checkpoint_policies``).
 REMAT_POLICIES: dict[str, Callable | None] = {
@@ -96,9 +97,12 @@ def run_layers(layers: nnx.Module, x: jax.Array, *args, scan: bool = True,
   Args:
     layers: the stacked module.
     x: the carried activation (same shape and dtype in and out).
-    args: passed unchanged to every layer (e.g. RoPE tables).
+    args: passed unchanged to every layer (e.g. RoPE tables). With ``scan`` and
+      ``remat="full"`` they are constants (no gradient flows to them).
     scan: ``jax.lax.scan`` over the layer axis; False unrolls a Python loop.
-    remat: a ``REMAT_POLICIES`` name, applied per layer with ``jax.checkpoint``.
+    remat: a ``REMAT_POLICIES`` name, applied per layer with ``jax.checkpoint``;
+      ``"full"`` with ``scan`` runs ``remat_scan`` (the same values and gradients, without
+      the float32 copies of bfloat16 stacks that XLA's CPU compiler otherwise keeps).
 
   Raises:
     ValueError: unknown ``remat``.
@@ -109,6 +113,8 @@ def run_layers(layers: nnx.Module, x: jax.Array, *args, scan: bool = True,
   def apply(x, layer_state, *args):
     return nnx.merge(graphdef, layer_state)(x, *args)
 
+  if scan and remat == "full":  # the same values; no float32 twins of the stacks on CPU
+    return remat_scan(apply, x, per_layer, args)
   policy = REMAT_POLICIES[remat]
   if remat != "none":
     apply = jax.checkpoint(apply, policy=policy, prevent_cse=not scan)
