@@ -17,26 +17,32 @@ def workdir(tmp_path_factory):
   return tmp_path_factory.mktemp("tiny")
 
 
-def test_losses_equal_for_uniform_nonuniform_and_single_device(workdir):
+@pytest.fixture(scope="module")
+def single_device(workdir):
+  """The single-device run (``mesh.tp=1``, 10 steps): both parity tests below compare with
+  it, so it runs once for both."""
+  return train(micro_config(workdir, **{"mesh.tp": 1}), log=lambda *_: None).losses
+
+
+def test_losses_equal_for_uniform_nonuniform_and_single_device(workdir, single_device):
   runs = {
       "tp8": dict(),
       "tp8-failed3": {"ntp.failed": "3"},
-      "tp1": {"mesh.tp": 1},
   }
   losses = {name: train(micro_config(workdir, **o), log=lambda *_: None).losses
             for name, o in runs.items()}
+  losses["tp1"] = single_device
   for name in ("tp8-failed3", "tp1"):
     np.testing.assert_allclose(losses[name], losses["tp8"], rtol=1e-4, err_msg=name)
   assert len(losses["tp1"]) == 10
 
 
-def test_two_replicas_of_different_degree_match_single_device(workdir):
+def test_two_replicas_of_different_degree_match_single_device(workdir, single_device):
   """AdamW and clipping through the cross-class sync: replicas at TP degree 4 and 3."""
   ntp = train(micro_config(workdir, **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2",
                                       "ntp.rebalance": "equal"}), log=lambda *_: None)
-  single = train(micro_config(workdir, **{"mesh.tp": 1}), log=lambda *_: None)
   assert [r.degree for r in ntp.plan.replicas] == [4, 3]
-  np.testing.assert_allclose(ntp.losses, single.losses, rtol=1e-4)
+  np.testing.assert_allclose(ntp.losses, single_device, rtol=1e-4)
 
 
 def test_metrics_jsonl_has_one_full_precision_record_per_step(workdir):
