@@ -13,10 +13,13 @@ simplifier then moves the widening out of the loop onto the whole stack
 (``convert(dynamic_slice(w)) -> dynamic_slice(convert(w))``), so a bfloat16 model kept a
 float32 copy of every stacked parameter, of the saved layer inputs and of the stacked
 gradients beside the bfloat16 ones: measured, Llama-3-70B's 16-layer stand-in at TP 8
-grew by 0.85 GiB per layer in temporaries where its parameters, gradients and saved inputs
-take 0.54. Slices of integers cannot be widened, so each layer's values are widened
-inside the loop, one layer at a time. Backends with bfloat16 matmuls (GPUs) see bitcasts,
-which cost nothing.
+grew by 0.85 GiB per layer in temporaries; through this scan, by 0.52. Slices of integers
+cannot be widened, so each layer's values are widened inside the loop, one layer at a time.
+The bit casts of whole stacks are not free there: XLA's CPU compiler writes each as a copy
+(the parameter stack once, the gradient stack once), still half of a float32 twin. An
+``optimization_barrier`` on each slice instead of the casts kept the float32 stacks, and
+slicing with a gather did too. (Measured with ``footprint.class_footprints`` on
+``configs/gpt_70b.py`` at 8 and 16 layers; see docs/scale.md.)
 """
 
 from __future__ import annotations
@@ -79,8 +82,9 @@ def remat_scan(apply: Callable[..., jax.Array], x: jax.Array, per_layer: Any,
     def step(h, layer_bits):
       return apply(h, _from_bits(layer_bits, layer_like), *args), _to_bits(h)
 
-    y, inputs = jax.lax.scan(step, x, _to_bits(per_layer))
-    return y, (inputs, _to_bits(per_layer), args)
+    bits = _to_bits(per_layer)
+    y, inputs = jax.lax.scan(step, x, bits)
+    return y, (inputs, bits, args)
 
   def backward(saved, dy):
     inputs, bits, args = saved
