@@ -24,6 +24,7 @@ from ntp_jax.parallel.zero import ZeroSettings, piece_count
 from ntp_jax.training.config import RunConfig
 from ntp_jax.training.footprint import (
   EXTENDED_WHY,
+  INT32_MAX,
   ClassFootprint,
   abstract_program,
   class_footprints,
@@ -78,10 +79,27 @@ def extension_depths(n_layers: int) -> list[tuple[int, int]]:
   return [(a, 2 * a) for a in range(n_layers // 4, 1, -1)]
 
 
+def _first_within_sync_bound(plan: Plan, model: ModelSpec,
+                             pairs: Sequence[tuple[int, int]]) -> int:
+  """Index of the deepest of ``pairs`` (deepest first) whose deeper model's sync buffers
+  stay within the sharded optimizer's int32 bound (``class_footprints`` refuses the others
+  from their shapes), found by bisection, as the buffers only grow with depth: each try
+  builds a model's parameter shapes (0.1 s at 70B). The last pair when none does."""
+  low, high = 0, len(pairs) - 1
+  while low < high:
+    middle = (low + high) // 2
+    lengths = sync_buffer_lengths(plan, model.layers(pairs[middle][1]).make)
+    if max(lengths.values()) <= INT32_MAX:
+      high = middle
+    else:
+      low = middle + 1
+  return low
+
+
 def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimizer, devices,
                         zero: ZeroSettings | None, *, compiled: dict | None = None,
-                        extend: bool = False, depths: tuple[int, int] | None = None
-                        ) -> list[ClassFootprint]:
+                        extend: bool = False, depths: tuple[int, int] | None = None,
+                        memory_only: bool = False) -> list[ClassFootprint]:
   """``class_footprints`` of the model as configured (flops as compiled).
 
   Where the step's programs cannot be built at full depth (``OverflowError``: more than
@@ -95,6 +113,7 @@ def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimiz
     compiled: a memo shared with other calls on this config and model.
     depths: extend from these two depths only (default: the deepest pair of
       ``extension_depths`` whose programs can be built).
+    memory_only: no flops are read (``class_footprints``).
 
   Raises:
     ResourceError: the programs cannot be built and the model cannot be measured at
@@ -105,7 +124,8 @@ def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimiz
   if not extend:
     try:
       return class_footprints(plan, model.make, *args, loss=model.loss, zero=zero,
-                              compiled=memo.setdefault(("layers", model.n_layers), {}))
+                              compiled=memo.setdefault(("layers", model.n_layers), {}),
+                              memory_only=memory_only)
     except OverflowError as err:
       cause = " ".join(str(err).split())[:120]
   else:
@@ -117,13 +137,16 @@ def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimiz
   if not pairs:
     raise ResourceError(f"the step's programs cannot be built for this model ({cause}) and "
                         f"{model.name} cannot be measured at fewer layers")
+  if zero is not None and len(pairs) > 2:  # past the sharded optimizer's bound: skip at once
+    pairs = pairs[_first_within_sync_bound(plan, model, pairs):]
   for pair in pairs:  # the deepest pair whose programs can be built
     try:
       parts = []
       for n in pair[::-1]:  # the deeper first: a pair that cannot be built fails at once
         smaller = model.layers(n)
         parts.insert(0, class_footprints(plan, smaller.make, *args, loss=smaller.loss,
-                                         zero=zero, compiled=memo.setdefault(("layers", n), {})))
+                                         zero=zero, compiled=memo.setdefault(("layers", n), {}),
+                                         memory_only=memory_only))
       break
     except OverflowError as err:
       cause = " ".join(str(err).split())[:120]
@@ -133,6 +156,12 @@ def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimiz
   exact = shape_footprints(plan, model.make, optimizer, config.train.seq_len, devices,
                            zero=zero)
   return extend_in_depth(exact, *parts, pair, model.n_layers)
+
+
+def _flops_unrolled(model: ModelSpec) -> bool:
+  """Whether ``footprint`` counts flops on the unrolled model (its scanned programs are then
+  compiled for memory only, ``memory_only``)."""
+  return model.unrolled is not None and model.n_layers is not None
 
 
 def footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer,
@@ -152,8 +181,8 @@ def footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer,
   zero = zero_settings(config.train)
   args = (optimizer, config.train.clip_norm, config.train.seq_len, devices)
   footprints = measured_footprints(config, model, plan, optimizer, devices, zero,
-                                   compiled=compiled)
-  if model.unrolled is None or model.n_layers is None:
+                                   compiled=compiled, memory_only=_flops_unrolled(model))
+  if not _flops_unrolled(model):
     return footprints
 
   def flops_at(n_layers):
@@ -227,6 +256,7 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
   if config.mesh.tp > 1:
     failed.append(("1 failed slot", frozenset({(0, config.mesh.tp - 1)})))
   optimizer = make_optimizer(config.train)  # the replicated class state's (masked AdamW)
+  memory_only = _flops_unrolled(model)  # as ``footprint``'s, whose programs it shares
   cases = [(name, plan_for(config, model, slots), zero)
            for name, slots in failed for zero in _choices(config)]
 
@@ -238,7 +268,8 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
   for i in sorted(range(len(cases)), key=lambda i: cases[i][2] is None):
     name, plan, zero = cases[i]
     worst[i] = max(measured_footprints(config, model, plan, optimizer, devices, zero,
-                                       compiled=memo, depths=pair.get(name)),
+                                       compiled=memo, depths=pair.get(name),
+                                       memory_only=memory_only),
                    key=lambda f: f.peak)
     if worst[i].extended_from is not None:
       pair[name] = min(pair.get(name, worst[i].extended_from), worst[i].extended_from)
@@ -247,14 +278,17 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
     if name in pair and f.extended_from != pair[name]:  # e.g. built at full depth: a check
       direct[i] = f.peak if f.extended_from is None else None
       worst[i] = max(measured_footprints(config, model, plan, optimizer, devices, zero,
-                                         compiled=memo, extend=True, depths=pair[name]),
+                                         compiled=memo, extend=True, depths=pair[name],
+                                         memory_only=memory_only),
                      key=lambda f: f.peak)
-  out = []
+  out, lengths_of = [], {}
   for (name, plan, zero), f, peak in zip(cases, worst, direct):
     lengths, element = {}, {}
     if zero is not None:
-      lengths = sync_buffer_lengths(plan, model.make)
-      element = piece_element_bytes(plan, model.make, devices, zero)
+      if name not in lengths_of:  # the same for every choice on the plan
+        lengths_of[name] = sync_buffer_lengths(plan, model.make)
+      lengths = lengths_of[name]
+      element = piece_element_bytes(plan, model.make, devices, zero, lengths)
     out.append(Choice(name, plan.t_min, zero, optimizer_label(zero, len(plan.replicas)), f,
                       lengths, element, peak))
   return out

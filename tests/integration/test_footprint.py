@@ -221,6 +221,11 @@ def test_zero1_optimizer_bytes_match_the_hand_count(tmp_path):
     assert all(f.outputs >= 2 * length * 4 and f.temp > 0 for f in footprints)
     assert resident_bytes(plan, gpt_spec(cfg, 0).make, optimizer, jax.devices(), zero=zero) == [
         f.params + hand for f in footprints]
+    if failed:  # compiled for memory only (the dry run's tables): the same bytes, no flops
+      lean = class_footprints(plan, gpt_spec(cfg, 0).make, optimizer, 1.0,
+                              config.train.seq_len, jax.devices(), zero=zero, memory_only=True)
+      assert [dataclasses.replace(f, flops=None) for f in footprints] == lean
+      assert all(f.flops > 0 for f in footprints)
     replicated = class_footprints(plan, gpt_spec(cfg, 0).make, optimizer, 1.0,
                                   config.train.seq_len, jax.devices())
     assert [f.params for f in replicated] == [f.params for f in footprints]
@@ -287,6 +292,13 @@ def test_a_step_past_int32_indexing_is_refused_before_compiling(tmp_path):
   assert time.monotonic() - started < 30  # shapes only: nothing compiled
   assert extension_depths(80)[:2] == [(20, 40), (19, 38)] and extension_depths(80)[-1] == (2, 4)
   assert extension_depths(7) == []
+  # The deepest pair within the bound, found by bisection, is the first a walk finds.
+  from ntp_jax.training.resources import _first_within_sync_bound
+  pairs, spec = extension_depths(80), gpt_spec(cfg, 0)
+  walk = [max(sync_buffer_lengths(plan, spec.layers(deeper).make).values()) <= INT32_MAX
+          for _, deeper in pairs]
+  assert 0 < walk.index(True) < len(pairs) - 1 and all(walk[walk.index(True):])
+  assert _first_within_sync_bound(plan, spec, pairs) == walk.index(True)
 
 
 def test_extension_in_depth_is_linear_in_temp_and_outputs():
