@@ -108,10 +108,6 @@ class ClassFootprint:
 # These programs are analysed, never run: skip the backend's code optimisation (LLVM), which
 # is most of a CPU compile and changes neither XLA's buffer assignment nor its cost analysis.
 ANALYSIS_ONLY = {"xla_backend_optimization_level": 0}
-# Where no flops are read, a CPU compile also takes the classic fusion emitters: Llama-3-70B's
-# dry run compiles in a third less time, its temporaries within 0.001 GiB of the above. Their
-# cost analysis counts the loops they expand some ops into once, so flops keep ANALYSIS_ONLY.
-MEMORY_ONLY_CPU = {**ANALYSIS_ONLY, "xla_cpu_use_fusion_emitters": False}
 INT32_MAX = 2 ** 31 - 1  # the longest array the split step's int32 index arithmetic reaches
 
 
@@ -269,8 +265,7 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
                      optimizer: optax.GradientTransformation, clip_norm: float, seq_len: int,
                      devices: Sequence[jax.Device], loss: Callable[..., Any] = default_loss,
                      unrolled: bool = False, *, zero: ZeroSettings | None = None,
-                     compiled: dict | None = None,
-                     memory_only: bool = False) -> list[ClassFootprint]:
+                     compiled: dict | None = None) -> list[ClassFootprint]:
   """Compile every class's step for abstract arguments and measure one device of each.
 
   Args:
@@ -290,8 +285,6 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
     compiled: a memo of compiled programs, for several calls on the same model,
       optimizer and ``seq_len`` (a gradient half is compiled once for every choice of
       ``zero``); default: none kept.
-    memory_only: the caller reads no flops: each footprint's ``flops`` is None, and on
-      CPU devices the programs compile faster (``MEMORY_ONLY_CPU``).
 
   Returns:
     One ``ClassFootprint`` per class; ``flops`` is XLA's cost analysis of the
@@ -319,13 +312,10 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       raise OverflowError(f"a sync buffer of {longest:,} elements per core device: the "
                           f"sharded optimizer indexes it with int32 (at most {INT32_MAX:,})")
 
-  options = (MEMORY_ONLY_CPU if memory_only and devices[0].platform == "cpu"
-             else ANALYSIS_ONLY)
-
   def compile_once(key, jitted, *args, **static):
-    key = (plan.classes, seq_len, unrolled, memory_only) + key
+    key = (plan.classes, seq_len, unrolled) + key
     if key not in memo:
-      memo[key] = jitted.lower(*args, **static).compile(compiler_options=options)
+      memo[key] = jitted.lower(*args, **static).compile(compiler_options=ANALYSIS_ONLY)
     return memo[key]
 
   classes, rounds = [], 1
@@ -368,10 +358,9 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
           for program, batch, step, _, _ in classes]
     blocks = memo[plan.classes, seq_len, unrolled, "blocks"]
     # Keyed by what the memo's contract leaves open (the optimizer's settings are fixed).
-    key = (plan.classes, seq_len, unrolled, memory_only, "zero", zero.copies, zero.clip_norm,
-           zero.stage)
+    key = (plan.classes, seq_len, unrolled, "zero", zero.copies, zero.clip_norm, zero.stage)
     if key not in memo:
-      memo[key] = [lowered.compile(compiler_options=options)
+      memo[key] = [lowered.compile(compiler_options=ANALYSIS_ONLY)
                    for _, lowered in sharded.lower_step(blocks)]
     update = memo[key]
     state = sharded.abstract_state(blocks)
@@ -402,8 +391,7 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
         flops += flops_of(update[0]) + (rounds - 1) * flops_of(update[1])
     out.append(ClassFootprint(
         replica_class=program.replica_class, params=device_bytes(program.params),
-        opt_state=opt, temp=temp, batch=device_bytes(batch), outputs=outputs,
-        flops=None if memory_only else flops,
+        opt_state=opt, temp=temp, batch=device_bytes(batch), outputs=outputs, flops=flops,
         optimizer=label))
   return out
 

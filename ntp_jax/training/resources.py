@@ -98,8 +98,8 @@ def _first_within_sync_bound(plan: Plan, model: ModelSpec,
 
 def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimizer, devices,
                         zero: ZeroSettings | None, *, compiled: dict | None = None,
-                        extend: bool = False, depths: tuple[int, int] | None = None,
-                        memory_only: bool = False) -> list[ClassFootprint]:
+                        extend: bool = False, depths: tuple[int, int] | None = None
+                        ) -> list[ClassFootprint]:
   """``class_footprints`` of the model as configured (flops as compiled).
 
   Where the step's programs cannot be built at full depth (``OverflowError``: more than
@@ -113,7 +113,6 @@ def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimiz
     compiled: a memo shared with other calls on this config and model.
     depths: extend from these two depths only (default: the deepest pair of
       ``extension_depths`` whose programs can be built).
-    memory_only: no flops are read (``class_footprints``).
 
   Raises:
     ResourceError: the programs cannot be built and the model cannot be measured at
@@ -124,8 +123,7 @@ def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimiz
   if not extend:
     try:
       return class_footprints(plan, model.make, *args, loss=model.loss, zero=zero,
-                              compiled=memo.setdefault(("layers", model.n_layers), {}),
-                              memory_only=memory_only)
+                              compiled=memo.setdefault(("layers", model.n_layers), {}))
     except OverflowError as err:
       cause = " ".join(str(err).split())[:120]
   else:
@@ -145,8 +143,7 @@ def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimiz
       for n in pair[::-1]:  # the deeper first: a pair that cannot be built fails at once
         smaller = model.layers(n)
         parts.insert(0, class_footprints(plan, smaller.make, *args, loss=smaller.loss,
-                                         zero=zero, compiled=memo.setdefault(("layers", n), {}),
-                                         memory_only=memory_only))
+                                         zero=zero, compiled=memo.setdefault(("layers", n), {})))
       break
     except OverflowError as err:
       cause = " ".join(str(err).split())[:120]
@@ -156,12 +153,6 @@ def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimiz
   exact = shape_footprints(plan, model.make, optimizer, config.train.seq_len, devices,
                            zero=zero)
   return extend_in_depth(exact, *parts, pair, model.n_layers)
-
-
-def _flops_unrolled(model: ModelSpec) -> bool:
-  """Whether ``footprint`` counts flops on the unrolled model (its scanned programs are then
-  compiled for memory only, ``memory_only``)."""
-  return model.unrolled is not None and model.n_layers is not None
 
 
 def footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer,
@@ -181,8 +172,8 @@ def footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer,
   zero = zero_settings(config.train)
   args = (optimizer, config.train.clip_norm, config.train.seq_len, devices)
   footprints = measured_footprints(config, model, plan, optimizer, devices, zero,
-                                   compiled=compiled, memory_only=_flops_unrolled(model))
-  if not _flops_unrolled(model):
+                                   compiled=compiled)
+  if model.unrolled is None or model.n_layers is None:
     return footprints
 
   def flops_at(n_layers):
@@ -256,7 +247,6 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
   if config.mesh.tp > 1:
     failed.append(("1 failed slot", frozenset({(0, config.mesh.tp - 1)})))
   optimizer = make_optimizer(config.train)  # the replicated class state's (masked AdamW)
-  memory_only = _flops_unrolled(model)  # as ``footprint``'s, whose programs it shares
   cases = [(name, plan_for(config, model, slots), zero)
            for name, slots in failed for zero in _choices(config)]
 
@@ -268,8 +258,7 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
   for i in sorted(range(len(cases)), key=lambda i: cases[i][2] is None):
     name, plan, zero = cases[i]
     worst[i] = max(measured_footprints(config, model, plan, optimizer, devices, zero,
-                                       compiled=memo, depths=pair.get(name),
-                                       memory_only=memory_only),
+                                       compiled=memo, depths=pair.get(name)),
                    key=lambda f: f.peak)
     if worst[i].extended_from is not None:
       pair[name] = min(pair.get(name, worst[i].extended_from), worst[i].extended_from)
@@ -278,8 +267,7 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
     if name in pair and f.extended_from != pair[name]:  # e.g. built at full depth: a check
       direct[i] = f.peak if f.extended_from is None else None
       worst[i] = max(measured_footprints(config, model, plan, optimizer, devices, zero,
-                                         compiled=memo, extend=True, depths=pair[name],
-                                         memory_only=memory_only),
+                                         compiled=memo, extend=True, depths=pair[name]),
                      key=lambda f: f.peak)
   out, lengths_of = [], {}
   for (name, plan, zero), f, peak in zip(cases, worst, direct):

@@ -221,11 +221,6 @@ def test_zero1_optimizer_bytes_match_the_hand_count(tmp_path):
     assert all(f.outputs >= 2 * length * 4 and f.temp > 0 for f in footprints)
     assert resident_bytes(plan, gpt_spec(cfg, 0).make, optimizer, jax.devices(), zero=zero) == [
         f.params + hand for f in footprints]
-    if failed:  # compiled for memory only (the dry run's tables): the same bytes, no flops
-      lean = class_footprints(plan, gpt_spec(cfg, 0).make, optimizer, 1.0,
-                              config.train.seq_len, jax.devices(), zero=zero, memory_only=True)
-      assert [dataclasses.replace(f, flops=None) for f in footprints] == lean
-      assert all(f.flops > 0 for f in footprints)
     replicated = class_footprints(plan, gpt_spec(cfg, 0).make, optimizer, 1.0,
                                   config.train.seq_len, jax.devices())
     assert [f.params for f in replicated] == [f.params for f in footprints]
