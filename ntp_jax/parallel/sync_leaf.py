@@ -65,6 +65,13 @@ def path_key(path: tuple) -> str:
   return "/".join(str(p) for p in path)
 
 
+def _traced_once(method):
+  """``method(self, x)`` of a descriptor as a nested jit with ``self`` static (XLA inlines
+  it): traced once per equal descriptor and input type, then reused by the gradient half,
+  the packing of the parameters and of each optimizer moment, and the process's next run."""
+  return jax.jit(method, static_argnums=0)
+
+
 def _by_slot(values) -> jax.Array:
   return jnp.asarray(values, jnp.int32)[slot_position()]
 
@@ -126,6 +133,7 @@ class SplitSync:
     """Where the core and extra parts are synced (``Regroup.positions``)."""
     return self.regroup.positions(self.flat)
 
+  @_traced_once
   def to_block(self, value: jax.Array) -> jax.Array:
     """Inside the body: this device's gradient block ``[1, *shape]`` -> ``[1, block]``."""
     value = _last_slot_keeps_shared(value, self.layout, 1 + self.axis)
@@ -141,6 +149,7 @@ class SplitSync:
                                   extra_dst, 0))
     return jnp.concatenate(parts)[None]
 
+  @_traced_once
   def from_block(self, block: jax.Array) -> jax.Array:
     """Inside the body: synced ``[1, block]`` -> the gradient block ``[1, *shape]``."""
     moved_shape = (self.shape[self.axis],) + tuple(
@@ -190,6 +199,7 @@ class ReplicatedSync:
   def numel(self) -> int:
     return int(np.prod(self.shape))
 
+  @_traced_once
   def to_block(self, value: jax.Array) -> jax.Array:
     """Inside the body: the whole gradient -> this position's run ``[1, block]``."""
     flat = self.flat
@@ -198,6 +208,7 @@ class ReplicatedSync:
     # A leading slot axis of length 1, as on the blocks of split parameters.
     return jnp.where(jnp.arange(flat.block) < _by_slot(flat.sizes), piece, 0)[None]
 
+  @_traced_once
   def from_block(self, block: jax.Array) -> jax.Array:
     """Inside the body: synced runs -> the whole gradient on every slot (masked all-reduce)."""
     numel = self.numel

@@ -87,7 +87,8 @@ def piece_count(replicas: int, copies: int) -> int:
   if not 1 <= copies <= replicas:
     raise ValueError(f"{copies} copies of each optimizer piece need 1 to {replicas} (the live "
                      "replicas)")
-  return max(p for p in range(1, replicas + 1) if replicas % p == 0 and replicas // p >= copies)
+  # replicas // P >= copies  <=>  P <= replicas // copies: the first divisor from there down.
+  return next(p for p in range(replicas // copies, 0, -1) if replicas % p == 0)
 
 
 @dataclasses.dataclass(frozen=True)

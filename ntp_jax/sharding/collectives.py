@@ -8,6 +8,8 @@ device. Unevenness is explicit: per-slot sizes and offsets come from the
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -185,7 +187,13 @@ def reshard_uneven(x_blk: jax.Array, src: Layout, dst: Layout, axis: int) -> jax
   Returns:
     The local block in ``dst``: ``dst.block`` long on ``axis``, zero in padding.
   """
-  axis = axis % x_blk.ndim
+  return _reshard_uneven(x_blk, src, dst, axis % x_blk.ndim)
+
+
+# A nested jit (XLA inlines it): traced once per block type, layouts and axis, then reused
+# by every leaf, program and run of the process that moves such a block alike.
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _reshard_uneven(x_blk: jax.Array, src: Layout, dst: Layout, axis: int) -> jax.Array:
   schedule = transfer_schedule(src, dst)
   longest = max((t["length"] for t in schedule), default=0)
   pad = [(0, 0)] * x_blk.ndim
