@@ -170,6 +170,16 @@ def sync_buffer_lengths(plan: Plan, make_model: Callable[[Any], nnx.Module]) -> 
   return lengths
 
 
+def memoized_sync_lengths(memo: dict, plan: Plan,
+                          make_model: Callable[[Any], nnx.Module]) -> dict[str, int]:
+  """``sync_buffer_lengths`` kept in ``memo`` (one model depth's memo, as
+  ``class_footprints`` takes it) under the plan's classes."""
+  key = ("sync lengths", plan.classes)
+  if key not in memo:
+    memo[key] = sync_buffer_lengths(plan, make_model)
+  return memo[key]
+
+
 def sharded_optimizer(plan: Plan, devices: Sequence[jax.Device],
                       zero: ZeroSettings) -> ShardedOptimizer:
   """The ``ShardedOptimizer`` a run of ``plan`` uses, over meshes alone (no arrays).
@@ -305,9 +315,7 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
   split = len(plan.classes) > 1 or zero is not None
   label = optimizer_label(zero, len(plan.replicas))
   if zero is not None:  # known before compiling anything: the sharded update's bound
-    if ("sync lengths", plan.classes) not in memo:
-      memo["sync lengths", plan.classes] = sync_buffer_lengths(plan, make_model)
-    longest = max(memo["sync lengths", plan.classes].values())
+    longest = max(memoized_sync_lengths(memo, plan, make_model).values())
     if longest > INT32_MAX:
       raise OverflowError(f"a sync buffer of {longest:,} elements per core device: the "
                           f"sharded optimizer indexes it with int32 (at most {INT32_MAX:,})")

@@ -32,13 +32,13 @@ from ntp_jax.training.footprint import (
   device_capacity,
   extend_in_depth,
   footprint_table,
+  memoized_sync_lengths,
   optimizer_label,
   per_device_flops,
   piece_element_bytes,
   resident_fraction,
   shape_footprints,
   shortfall,
-  sync_buffer_lengths,
   zero_state_bytes,
 )
 from ntp_jax.training.loop import plan_for
@@ -80,15 +80,18 @@ def extension_depths(n_layers: int) -> list[tuple[int, int]]:
 
 
 def _first_within_sync_bound(plan: Plan, model: ModelSpec,
-                             pairs: Sequence[tuple[int, int]]) -> int:
+                             pairs: Sequence[tuple[int, int]], memo: dict) -> int:
   """Index of the deepest of ``pairs`` (deepest first) whose deeper model's sync buffers
   stay within the sharded optimizer's int32 bound (``class_footprints`` refuses the others
   from their shapes), found by bisection, as the buffers only grow with depth: each try
-  builds a model's parameter shapes (0.1 s at 70B). The last pair when none does."""
+  builds a model's parameter shapes (0.1 s at 70B), kept in that depth's ``memo``. The
+  last pair when none does."""
   low, high = 0, len(pairs) - 1
   while low < high:
     middle = (low + high) // 2
-    lengths = sync_buffer_lengths(plan, model.layers(pairs[middle][1]).make)
+    deeper = pairs[middle][1]
+    lengths = memoized_sync_lengths(memo.setdefault(("layers", deeper), {}), plan,
+                                    model.layers(deeper).make)
     if max(lengths.values()) <= INT32_MAX:
       high = middle
     else:
@@ -136,7 +139,7 @@ def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimiz
     raise ResourceError(f"the step's programs cannot be built for this model ({cause}) and "
                         f"{model.name} cannot be measured at fewer layers")
   if zero is not None and len(pairs) > 2:  # past the sharded optimizer's bound: skip at once
-    pairs = pairs[_first_within_sync_bound(plan, model, pairs):]
+    pairs = pairs[_first_within_sync_bound(plan, model, pairs, memo):]
   for pair in pairs:  # the deepest pair whose programs can be built
     try:
       parts = []
@@ -269,13 +272,12 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
       worst[i] = max(measured_footprints(config, model, plan, optimizer, devices, zero,
                                          compiled=memo, extend=True, depths=pair[name]),
                      key=lambda f: f.peak)
-  out, lengths_of = [], {}
+  out = []
   for (name, plan, zero), f, peak in zip(cases, worst, direct):
     lengths, element = {}, {}
-    if zero is not None:
-      if name not in lengths_of:  # the same for every choice on the plan
-        lengths_of[name] = sync_buffer_lengths(plan, model.make)
-      lengths = lengths_of[name]
+    if zero is not None:  # the same for every choice on the plan
+      lengths = memoized_sync_lengths(memo.setdefault(("layers", model.n_layers), {}), plan,
+                                      model.make)
       element = piece_element_bytes(plan, model.make, devices, zero, lengths)
     out.append(Choice(name, plan.t_min, zero, optimizer_label(zero, len(plan.replicas)), f,
                       lengths, element, peak))

@@ -293,7 +293,7 @@ def test_a_step_past_int32_indexing_is_refused_before_compiling(tmp_path):
   walk = [max(sync_buffer_lengths(plan, spec.layers(deeper).make).values()) <= INT32_MAX
           for _, deeper in pairs]
   assert 0 < walk.index(True) < len(pairs) - 1 and all(walk[walk.index(True):])
-  assert _first_within_sync_bound(plan, spec, pairs) == walk.index(True)
+  assert _first_within_sync_bound(plan, spec, pairs, {}) == walk.index(True)
 
 
 def test_extension_in_depth_is_linear_in_temp_and_outputs():
