@@ -229,6 +229,19 @@ class PlanPrograms:
                         out_shardings=class_shardings(target["opt_state"], mesh)))
     return init(params)
 
+  def abstract(self) -> list[ClassProgram]:
+    """Every class's program with its state as ``ShapeDtypeStruct``s in the class shardings
+    and its step: for lowering and XLA's analyses (``analysis.cost``). Nothing is placed
+    or compiled."""
+    programs = []
+    for i, (replica_class, mesh, (graphdef, target)) in enumerate(
+        zip(self.plan.classes, self.shapes.meshes, self.shapes.targets)):
+      state = sharded_abstract(target, mesh)
+      key, step = self.step(i)
+      programs.append(ClassProgram(replica_class, mesh, graphdef, state["params"],
+                                   state["opt_state"], step, key))
+    return programs
+
   def build(self, source: LogicalSource | None = None) -> list[ClassProgram]:
     """Place every class's parameters and optimizer state and take its step.
 

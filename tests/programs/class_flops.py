@@ -21,7 +21,7 @@ from models.gpt import GPT, model_layouts  # noqa: E402
 from ntp_jax.analysis.cost import class_step_flops, own_shard_flops  # noqa: E402
 from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
-from ntp_jax.parallel.programs import build_class_programs  # noqa: E402
+from ntp_jax.parallel.programs import PlanPrograms  # noqa: E402
 from ntp_jax.training.config import parse_failed  # noqa: E402
 
 SEQ = 128  # enough tokens that per-step work dominates the per-parameter sync work
@@ -31,9 +31,9 @@ UNROLLED = dataclasses.replace(SMALL, scan_layers=False)  # cost analysis counts
 def job(cfg, tp, dp, failed, batch_size):
   plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp,
                    failed=parse_failed(failed, dp, tp), batch_size=batch_size)
-  programs = build_class_programs(plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(0)),
-                                  optax.adamw(1e-3), 1.0, plan.global_batch * SEQ,
-                                  jax.devices()[:tp * dp])
+  programs = PlanPrograms(plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(0)),
+                          optax.adamw(1e-3), 1.0, plan.global_batch * SEQ,
+                          jax.devices()[:tp * dp]).abstract()  # shapes: nothing placed
   return JobStep(plan, programs)
 
 
