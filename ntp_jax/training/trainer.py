@@ -440,8 +440,8 @@ def finish(run: TrainingRun, config: RunConfig, log) -> None:
 
 def plot(run: TrainingRun, config: RunConfig, log) -> None:
   """``WORKDIR/goodput.png`` of the whole run, every session of ``metrics.jsonl``
-  (``training.run_plot``): with ``train.plot``, or whenever a failure or repair happened."""
-  if run.records and (run.marks or config.train.plot) and jax.process_index() == 0:
+  (``training.run_plot``), with ``train.plot`` (failures and repairs marked); none without."""
+  if run.records and config.train.plot and jax.process_index() == 0:
     path = os.path.join(config.workdir, "goodput.png")
     series = gather_series(run.writer.path)
     plot_series(series, path, run_title(config.workdir, config.source.model, series))

@@ -35,7 +35,8 @@ def uninterrupted(workdir, tmp_path_factory):
 
 
 def test_live_failure_and_repair_keep_the_losses_and_the_degrees(workdir, tmp_path, uninterrupted):
-  result = run(workdir, tmp_path, **{"ntp.fail_at": "4@0:3", "ntp.repair_at": "8@0:3"})
+  result = run(workdir, tmp_path, **{"ntp.fail_at": "4@0:3", "ntp.repair_at": "8@0:3",
+                                     "train.plot": True})
   np.testing.assert_allclose(result.losses, uninterrupted, rtol=1e-5)
   records = read_metrics(result.metrics_path)
   degrees = [r["tp_degrees"] for r in records]

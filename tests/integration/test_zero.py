@@ -168,6 +168,7 @@ def test_zero1_with_one_copy_takes_the_restart_path_and_says_why(tmp_path):
                      "the last checkpoint instead")
   assert "of peer group 0 was held by failed devices only" in said[1]
   assert sum("restoring step 4 from" in line for line in lines) == 1
+  assert not (tmp_path / "zero1" / "goodput.png").exists()  # train.plot=False: failures or not
 
 
 
