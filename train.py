@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from ntp_jax.processes.heartbeat import LOST_EXIT_CODE  # no JAX here: XLA_FLAGS come first
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).")
+CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).")
 
 
 def simulate_cpu_devices(count: int) -> None:
@@ -48,7 +48,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 def main(argv):
   del argv  # parse_flags refuses left-over arguments
   logging.set_verbosity(logging.WARNING)  # JAX's platform probing logs at INFO
-  config = _CONFIG.value
+  config = CONFIG.value
   # These import JAX; its backend starts later, reading XLA_FLAGS.
   from ntp_jax.errors import ConfigError
   from ntp_jax.processes import distributed

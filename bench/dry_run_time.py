@@ -1,54 +1,62 @@
 """Where a dry run's time goes: tracing, lowering and XLA's compile, per jitted function.
 
-  python bench/dry_run_time.py [--config configs/gpt_70b.py] [--set train.microbatches=2 ...]
+  python bench/dry_run_time.py [--config configs/gpt_70b.py] [--config.FIELD=VALUE ...]
 
-Runs the config's dry run (``--config.dry_run=True``) in this process with no compilation
-cache (``compile.cache_dir=none``), so every program is compiled, and listens to JAX's
-compile events (``jax.monitoring``: ``jaxpr_trace_duration``, ``jaxpr_to_mlir_module_duration``,
-``backend_compile_duration``, each naming its function). Prints, per function name, the
-programs XLA compiled and the seconds spent tracing, lowering and compiling them; then the
-totals against the run's wall time (the rest: Python, shape inference, the memory plan's
-own work). Nested traces (a jit inside a jit) count in both, so the tracing column adds up
-to more than the tracing done. Run it alone: a second process on the same cores slows
-every figure.
+Runs the config's dry run (``--config.dry_run=True``; the config and its overrides as
+``train.py`` takes them, default ``configs/gpt_70b.py``) in this process with no compilation
+cache (``compile.cache_dir=none``) and a temporary workdir, so every program is compiled and
+nothing is left behind, and listens to JAX's compile events (``jax.monitoring``:
+``jaxpr_trace_duration``, ``jaxpr_to_mlir_module_duration``, ``backend_compile_duration``,
+each naming its function). Prints, per function name, the programs XLA compiled and the
+seconds spent tracing, lowering and compiling them; then the totals against the run's wall
+time (the rest: Python, shape inference, the memory plan's own work). A trace inside another
+counts in both, so tracing has no total. Run it alone: a second process on the same cores
+slows every figure.
 """
 
-import argparse
 import collections
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import emit, load_config, simulate_cpu_devices  # noqa: E402
+from absl import app  # noqa: E402
+from common import emit, simulate_cpu_devices  # noqa: E402
 
+import train  # noqa: E402  (its --config flag and its parsing)
+
+DEFAULT_CONFIG = os.path.join(ROOT, "configs", "gpt_70b.py")
 EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
           "/jax/core/compile/backend_compile_duration": "compile"}
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--config", default=os.path.join(ROOT, "configs", "gpt_70b.py"))
-  parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                      help="config overrides, e.g. train.microbatches=2")
-  args = parser.parse_args()
-  config = load_config(args.config)
-  for item in args.set:
-    field, value = item.split("=", 1)
-    section, name = field.split(".")
-    config[section][name] = type(config[section][name])(value)
+def parse(argv: list[str]) -> list[str]:
+  """``train.py``'s parsing (one line and exit status 2 for a mistake), its config defaulted."""
+  from ntp_jax.training.cli import config_path
+  if config_path(argv) is None:
+    argv = [argv[0], "--config", DEFAULT_CONFIG, *argv[1:]]
+  sys.argv = argv  # ml_collections reads the overrides from sys.argv
+  return train.parse_flags(argv)
+
+
+def main(argv):
+  del argv  # parse refuses left-over arguments
+  config = train.CONFIG.value
   config.dry_run = True
   config.compile.cache_dir = "none"
+  config.workdir = tempfile.mkdtemp(prefix="dry_run_time_")
   simulate_cpu_devices(config.mesh.dp * config.mesh.tp)
 
   import jax
 
   from ntp_jax.training.config import RunConfig
-  from ntp_jax.training.trainer import train
+  from ntp_jax.training.trainer import train as run_training
 
   seconds = collections.defaultdict(collections.Counter)  # function -> phase -> seconds
   compiled = collections.Counter()  # function -> programs XLA compiled
@@ -63,7 +71,10 @@ def main():
 
   jax.monitoring.register_event_duration_secs_listener(listen)
   start = time.perf_counter()
-  train(RunConfig.from_config(config), log=lambda *_: None)
+  try:
+    run_training(RunConfig.from_config(config), log=lambda *_: None)
+  finally:
+    shutil.rmtree(config.workdir, ignore_errors=True)
   wall = time.perf_counter() - start
 
   rows = sorted(seconds.items(), key=lambda kv: -kv[1]["compile"])
@@ -83,4 +94,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main, flags_parser=parse)

@@ -46,7 +46,7 @@ from ntp_jax.parallel.sync import (
   to_sync_blocks,
   unpack_buffers,
 )
-from ntp_jax.parallel.sync_leaf import sync_leaves
+from ntp_jax.parallel.sync_leaf import INT32_MAX, int32_overrun, sync_leaves
 from ntp_jax.sharding.collectives import sum_if_many
 from ntp_jax.sharding.mesh import DP, TP
 
@@ -311,11 +311,21 @@ class SplitStep:
             scan_microbatches: bool = True) -> SplitStep:
     """As ``FusedStep.build``; ``t_min``: the job's smallest TP degree; ``regroups``:
     the sync positions of each split parameter, the same for every class
-    (``sync.regroup_plan``; default near-equal runs)."""
+    (``sync.regroup_plan``; default near-equal runs).
+
+    Raises:
+      OverflowError: a parameter's sync packing would index more than ``2**31 - 1``
+        elements on one device (``sync_leaf.int32_overrun``), found from shapes.
+    """
     specs = replica_specs(params)
     degree = mesh.devices.shape[1]
     # Computed once, host side: every walker of both halves reads these descriptors.
     leaves = sync_leaves(jax.eval_shape(unstack_local, params), degree, t_min, regroups)
+    overrun = int32_overrun(leaves)
+    if overrun is not None:  # before tracing: numpy would fail deep inside it
+      raise OverflowError(f"the split step at TP degree {degree} would index {overrun[1]:,} "
+                          f"elements of {overrun[0]} per device with int32 (at most "
+                          f"{INT32_MAX:,})")
 
     def grad_body(params_local, batch, count=microbatches):
       loss, grads = _local_grads(graphdef, params_local, batch, settings.global_tokens,

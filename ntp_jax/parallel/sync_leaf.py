@@ -225,6 +225,22 @@ class ReplicatedSync:
 
 SyncLeaf = SplitSync | ReplicatedSync
 
+# The longest array the sync's packing and the sharded optimizer index with int32 (JAX's
+# index type while ``jax_enable_x64`` is off).
+INT32_MAX = 2 ** 31 - 1
+
+
+def int32_overrun(leaves: tuple[SyncLeaf, ...]) -> tuple[str, int] | None:
+  """``(parameter path, elements)`` of the first parameter whose sync packing on one device
+  indexes more than ``INT32_MAX`` elements (a split parameter's run on its slot plus its
+  extra piece; a replicated one's elements plus its run), or None when every one fits.
+  Such a split step cannot be built: its index arithmetic is int32."""
+  for leaf in leaves:
+    indexed = (leaf.flat.block if isinstance(leaf, SplitSync) else leaf.numel) + leaf.block
+    if indexed > INT32_MAX:
+      return leaf.key, indexed
+  return None
+
 
 def sync_leaves(params: nnx.State, degree: int, t_min: int,
                 regroups: dict[str, Regroup] | None = None) -> tuple[SyncLeaf, ...]:

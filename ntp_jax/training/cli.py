@@ -46,7 +46,8 @@ def parse_command_line(argv: Sequence[str], flag_values: flags.FlagValues = flag
   """
   path = config_path(argv, name)
   if any(a in ("-h", "--help", "--helpshort", "--helpfull", "-?") for a in argv[1:]):
-    return flag_values(list(argv))  # absl prints the help and exits
+    # absl prints the help and exits; it knows -? but not -h
+    return flag_values([a if a != "-h" else "--help" for a in argv])
   if path is None:
     raise ConfigError(f"--{name}: required, e.g. --{name} configs/gpt_tiny.py")
   file = path.split(":", 1)[0]
@@ -60,6 +61,9 @@ def parse_command_line(argv: Sequence[str], flag_values: flags.FlagValues = flag
       raise ConfigError(f"{file}: loading it raised {loading}") from None
     if isinstance(err, flags.IllegalFlagValueError):
       raise _bad_value(str(err), name) from None
+    if isinstance(err, AttributeError) and "attribute 'get_config'" in str(err):
+      raise ConfigError(f"{file}: defines no get_config() (a config file's get_config "
+                        "returns an ml_collections.ConfigDict; see configs/base.py)") from None
     if isinstance(err, (AttributeError, KeyError)):
       raise _unknown_field(str(err), argv, name) from None
     if isinstance(err, flags.UnrecognizedFlagError):

@@ -35,6 +35,8 @@ import optax
 from flax import nnx
 
 from ntp_jax.analysis.cost import flops_of
+from ntp_jax.errors import ConfigError
+from ntp_jax.model import ModelSpec
 from ntp_jax.parallel.accumulate import micro_batches
 from ntp_jax.parallel.plan import Plan, ReplicaClass
 from ntp_jax.parallel.programs import (
@@ -51,7 +53,7 @@ from ntp_jax.parallel.steps import (
   default_loss,
 )
 from ntp_jax.parallel.sync import LOSS_DTYPE, CrossClassSync
-from ntp_jax.parallel.sync_leaf import sync_leaves
+from ntp_jax.parallel.sync_leaf import INT32_MAX, int32_overrun, sync_leaves
 from ntp_jax.parallel.zero import ShardedOptimizer, ZeroSettings, piece_count
 from ntp_jax.sharding.mesh import class_mesh
 
@@ -108,7 +110,6 @@ class ClassFootprint:
 # These programs are analysed, never run: skip the backend's code optimisation (LLVM), which
 # is most of a CPU compile and changes neither XLA's buffer assignment nor its cost analysis.
 ANALYSIS_ONLY = {"xla_backend_optimization_level": 0}
-INT32_MAX = 2 ** 31 - 1  # the longest array the split step's int32 index arithmetic reaches
 
 
 def device_bytes(tree: Any) -> int:
@@ -168,6 +169,70 @@ def sync_buffer_lengths(plan: Plan, make_model: Callable[[Any], nnx.Module]) -> 
   for leaf in sync_leaves(abstract_params(lambda: make_model(c.layouts)), c.degree, t_min):
     lengths[leaf.dtype] = lengths.get(leaf.dtype, 0) + leaf.block
   return lengths
+
+
+def split_step_overrun(plan: Plan, make_model: Callable[[Any], nnx.Module],
+                       zero: ZeroSettings | None, lengths: dict[str, int] | None = None
+                       ) -> str | None:
+  """Why ``plan``'s split step cannot be built, in words, from shapes: a parameter whose sync
+  packing indexes more than ``2**31 - 1`` elements on one device
+  (``sync_leaf.int32_overrun``), or with ``zero`` a sync buffer longer than that (the
+  sharded optimizer's pieces are indexed with int32 too); None when it can.
+  ``lengths``: the plan's ``sync_buffer_lengths``, if known."""
+  t_min = min(c.degree for c in plan.classes)
+  for c in plan.classes:
+    leaves = sync_leaves(abstract_params(lambda c=c: make_model(c.layouts)), c.degree, t_min)
+    overrun = int32_overrun(leaves)
+    if overrun is not None:
+      return (f"the split step at TP degree {c.degree} would index {overrun[1]:,} elements "
+              f"of {overrun[0]} per device with int32 (at most {INT32_MAX:,})")
+  if zero is not None:
+    longest = max((lengths or sync_buffer_lengths(plan, make_model)).values())
+    if longest > INT32_MAX:
+      return (f"a sync buffer of {longest:,} elements per core device: the sharded "
+              f"optimizer indexes it with int32 (at most {INT32_MAX:,})")
+  return None
+
+
+def check_split_step(plan: Plan, model: ModelSpec, zero: ZeroSettings | None) -> None:
+  """Refuse, before building it, a plan whose split step (replicas of several TP degrees,
+  the sharded optimizer, or a multi-process job's halves) cannot be built: int32 index
+  arithmetic past ``2**31 - 1`` elements (``split_step_overrun``). A model under
+  ``INT32_MAX / 2`` parameters never reaches it and is not looked at.
+
+  Raises:
+    ConfigError: one line naming the parameter or buffer and its elements.
+  """
+  if 2 * model.param_count <= INT32_MAX:  # no leaf nor buffer can reach the bound
+    return
+  overrun = split_step_overrun(plan, model.make, zero)
+  if overrun is not None:
+    degrees = [r.degree for r in plan.replicas]
+    raise ConfigError(f"model: {model.name} on the plan with TP degrees {degrees}: {overrun}; "
+                      "a healthy plan with train.optimizer_sharding=replicated runs one fused "
+                      "step, which has no such bound (docs/zero.md, \"Not built yet\")")
+
+
+def failure_overrun(plan: Plan, failed_plan: Callable[[frozenset], Plan], model: ModelSpec,
+                    zero: ZeroSettings | None) -> str | None:
+  """Why a failure would stop a run of ``plan`` (one line), or None: the plan one more
+  failed slot leads to (``failed_plan(slots)``: the last live slot of the first replica of
+  two or more) needs a split step that cannot be built (``split_step_overrun``). Checked
+  for models of ``INT32_MAX / 2`` parameters or more only."""
+  if 2 * model.param_count <= INT32_MAX:
+    return None
+  replica = next((r for r in plan.replicas if r.degree > 1), None)
+  if replica is None:
+    return None
+  failed = {(r.replica, s) for r in plan.replicas for s in range(plan.tp)
+            if s not in r.live_slots} | {(d, s) for d in plan.dropped for s in range(plan.tp)}
+  failed = frozenset(failed | {(replica.replica, replica.live_slots[-1])})
+  after = failed_plan(failed)
+  overrun = split_step_overrun(after, model.make, zero)
+  if overrun is None:
+    return None
+  return (f"a failed slot would stop this run: on the plan it leads to (TP degrees "
+          f"{[r.degree for r in after.replicas]}) {overrun} (docs/zero.md, \"Not built yet\")")
 
 
 def memoized_sync_lengths(memo: dict, plan: Plan,
@@ -314,11 +379,13 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
   t_min = min(c.degree for c in plan.classes)
   split = len(plan.classes) > 1 or zero is not None
   label = optimizer_label(zero, len(plan.replicas))
-  if zero is not None:  # known before compiling anything: the sharded update's bound
-    longest = max(memoized_sync_lengths(memo, plan, make_model).values())
-    if longest > INT32_MAX:
-      raise OverflowError(f"a sync buffer of {longest:,} elements per core device: the "
-                          f"sharded optimizer indexes it with int32 (at most {INT32_MAX:,})")
+  if split:  # known from shapes, before tracing or compiling anything
+    key = ("split step overrun", plan.classes, zero is not None)
+    if key not in memo:
+      lengths = memoized_sync_lengths(memo, plan, make_model) if zero is not None else None
+      memo[key] = split_step_overrun(plan, make_model, zero, lengths)
+    if memo[key] is not None:
+      raise OverflowError(memo[key])
 
   def compile_once(key, jitted, *args, **static):
     key = (plan.classes, seq_len, unrolled) + key

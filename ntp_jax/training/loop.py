@@ -45,6 +45,7 @@ from ntp_jax.state.sources import InitSource
 from ntp_jax.state.spanning import processes_without_pieces
 from ntp_jax.training.compilation import compile_counts, compile_seconds
 from ntp_jax.training.config import RunConfig
+from ntp_jax.training.footprint import check_split_step
 from ntp_jax.training.hooks import Hook, RunServices, StepInfo
 from ntp_jax.training.precompile import PlanJob, Precompiler
 from ntp_jax.training.process_guard import ProcessGuard
@@ -201,6 +202,8 @@ class TrainingRun:
       self._check_every_process_holds_a_piece(plan)  # from shapes: before anything is placed
     arrive = self.guard.arrives_before_sync(plan)
     split = arrive or self.zero is not None  # the sharded optimizer takes the split halves
+    if split or len(plan.classes) > 1:
+      check_split_step(plan, self.model, self.zero)
     state.programs = build_class_programs(plan, self.model.make, self.optimizer,
                                           self.config.train.clip_norm, self.global_tokens(plan),
                                           self.devices, source=source, cache=self.cache,

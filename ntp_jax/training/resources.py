@@ -20,11 +20,11 @@ from typing import Any
 from ntp_jax.errors import ConfigError
 from ntp_jax.model import ModelSpec
 from ntp_jax.parallel.plan import Plan
+from ntp_jax.parallel.sync_leaf import INT32_MAX
 from ntp_jax.parallel.zero import ZeroSettings, piece_count
 from ntp_jax.training.config import RunConfig
 from ntp_jax.training.footprint import (
   EXTENDED_WHY,
-  INT32_MAX,
   ClassFootprint,
   abstract_program,
   class_footprints,

@@ -23,7 +23,7 @@ from ntp_jax.data import make_dataset
 from ntp_jax.data.corpus import resolve_source
 from ntp_jax.data.dataset import TOKENIZER_FILE
 from ntp_jax.data.tokenizer import copy_file
-from ntp_jax.errors import too_few_devices
+from ntp_jax.errors import ConfigError, too_few_devices
 from ntp_jax.layers.shard import replica_view
 from ntp_jax.model import ModelSpec, load_model_spec
 from ntp_jax.parallel.plan import Plan
@@ -35,7 +35,7 @@ from ntp_jax.state.checkpoint import Checkpoints
 from ntp_jax.training.caller_hooks import CallerHook, HookError
 from ntp_jax.training.compilation import make_folder, set_up_cache
 from ntp_jax.training.config import RunConfig, as_run_config
-from ntp_jax.training.footprint import ClassFootprint
+from ntp_jax.training.footprint import ClassFootprint, check_split_step, failure_overrun
 from ntp_jax.training.hooks import (
   CheckpointHook,
   DetectorHook,
@@ -194,7 +194,9 @@ def train(config, *, model: ModelSpec | None = None, log=print,
     ConfigError, DataError: bad settings or input (one line naming the field);
       ``checkpoint.CheckpointError`` (a ``ConfigError``) for an unusable
       checkpoint, naming the path or parameter; ``resources.ResourceError``
-      (a ``ConfigError``) when the devices cannot hold the step.
+      (a ``ConfigError``) when the devices cannot hold the step;
+      ``ConfigError`` when the plan needs the split step and the model is past its
+      int32 indexing (``footprint.check_split_step``), at the start or at a failure.
     process_guard.ProcessStop: a peer process was lost and this one must end (its
       ``status`` and one-line ``message``; the last completed step written as a
       just-in-time checkpoint where possible); end the process with ``os._exit(status)``
@@ -228,6 +230,20 @@ def train(config, *, model: ModelSpec | None = None, log=print,
         f"devices, replicas {sorted({i // plan.tp for i in mine})}", always=True)
   metrics_path = os.path.join(config.workdir, "metrics.jsonl")
   footprints = check_footprint(config, model, plan, optimizer, devices, log)
+  # A model past the split step's int32 indexing: refused now if its plan needs that step,
+  # else told that a failure would stop it (not a traceback when it comes).
+  zero = zero_settings(config.train)
+  if len(plan.classes) > 1 or zero is not None:
+    try:
+      check_split_step(plan, model, zero)
+    except ConfigError as err:
+      if not config.dry_run:
+        raise
+      log(f"warning: this plan cannot be built: {err}")
+  else:
+    unrecoverable = failure_overrun(plan, plan_of, model, zero)
+    if unrecoverable is not None:
+      log(f"warning: {unrecoverable}")
   if config.dry_run:
     return TrainResult(plan=plan, metrics_path=metrics_path, footprints=footprints,
                        dry_run=True)

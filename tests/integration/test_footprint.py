@@ -267,10 +267,19 @@ def test_the_sharded_update_lowers_for_abstract_buffers(tmp_path):
 
 
 def test_a_step_past_int32_indexing_is_refused_before_compiling(tmp_path):
-  """gpt_70b on 2 x 4: its sync buffer holds more elements per core device than int32
-  indexing reaches; zero1's footprint says so from shapes alone, and the memory plan
-  extends from fewer layers (``resources.extension_depths``)."""
-  from ntp_jax.training.footprint import INT32_MAX, sync_buffer_lengths
+  """gpt_70b on 2 x 4: one device's block of a layer's kernel and its sync buffer hold more
+  elements than int32 indexing reaches; zero1's footprint and a run's start say so from
+  shapes alone (a run whose plan has one TP degree and a replicated optimizer is warned
+  that a failure would stop it), and the memory plan extends from fewer layers
+  (``resources.extension_depths``)."""
+  from ntp_jax.errors import ConfigError
+  from ntp_jax.training.footprint import (
+    INT32_MAX,
+    check_split_step,
+    failure_overrun,
+    split_step_overrun,
+    sync_buffer_lengths,
+  )
   from ntp_jax.training.optim import zero_settings
   from ntp_jax.training.resources import extension_depths
   config = configs.gpt_70b.get_config()
@@ -278,12 +287,25 @@ def test_a_step_past_int32_indexing_is_refused_before_compiling(tmp_path):
   config.train.batch_size = 8
   run = RunConfig.from_config(config)
   cfg = GPTConfig.from_config(config.model)
-  plan = plan_of(config, gpt_spec(cfg, 0), "")
-  assert max(sync_buffer_lengths(plan, gpt_spec(cfg, 0).make).values()) > INT32_MAX
+  spec = gpt_spec(cfg, 0)
+  plan = plan_of(config, spec, "")
+  assert max(sync_buffer_lengths(plan, spec.make).values()) > INT32_MAX
   started = time.monotonic()
-  with pytest.raises(OverflowError, match="sharded optimizer indexes it with int32"):
-    class_footprints(plan, gpt_spec(cfg, 0).make, make_optimizer(run.train), 1.0,
+  kernel = r"the split step at TP degree 4 would index [\d,]+ elements of blocks/[\w/]+"
+  with pytest.raises(OverflowError, match=kernel + " per device with int32"):
+    class_footprints(plan, spec.make, make_optimizer(run.train), 1.0,
                      config.train.seq_len, jax.devices(), zero=zero_settings(run.train))
+  with pytest.raises(ConfigError, match=r"^model: .* TP degrees \[4, 4\]: " + kernel):
+    check_split_step(plan, spec, zero_settings(run.train))
+  # Replicated, one TP degree: the fused step builds; a failed slot's plan would not.
+  asked = []
+  warning = failure_overrun(
+      plan, lambda failed: asked.append(failed) or plan_for(run, spec, failed), spec, None)
+  assert asked == [{(0, 3)}]  # the first replica's last live slot
+  assert warning.startswith("a failed slot would stop this run: on the plan it leads to "
+                            "(TP degrees [3, 4]) the split step at TP degree "), warning
+  assert split_step_overrun(plan, gpt_spec(dataclasses.replace(cfg, n_layers=2), 0).make,
+                            zero_settings(run.train)) is None
   assert time.monotonic() - started < 30  # shapes only: nothing compiled
   assert extension_depths(80)[:2] == [(20, 40), (19, 38)] and extension_depths(80)[-1] == (2, 4)
   assert extension_depths(7) == []

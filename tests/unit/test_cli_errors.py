@@ -70,6 +70,23 @@ def test_a_config_file_that_raises_names_the_file_and_its_error(monkeypatch, tmp
   assert text.startswith(f"{path}: loading it raised {raised}"), text
 
 
+def test_a_config_file_without_get_config_says_so(monkeypatch, tmp_path):
+  path = tmp_path / "plain.py"
+  path.write_text("x = 1\n")
+  # ml_collections loads every config file as one module, re-run in the namespace an
+  # earlier test's file left (its get_config too): start from none, as a process does.
+  monkeypatch.delitem(sys.modules, "config_config", raising=False)
+  assert _error(monkeypatch, config=path).startswith(f"{path}: defines no get_config()")
+
+
+def test_dash_h_prints_the_help(monkeypatch, capsys):
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "config file", flag_values=values)
+  flags.DEFINE_boolean("help", False, "show this help", flag_values=values)  # as absl.app does
+  parse_command_line(["train.py", "-h"], values)  # absl exits on --help; here a flag is set
+  assert values["help"].value
+
+
 @pytest.mark.parametrize("arg,expected", [
     ("--config.train.steps=abc", "train.steps: expected a whole number, got 'abc'"),
     ("--config.train.lr=fast", "train.lr: expected a number, got 'fast'"),
