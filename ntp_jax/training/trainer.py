@@ -229,21 +229,23 @@ def train(config, *, model: ModelSpec | None = None, log=print,
     log(f"process {job.process_id} of {job.num_processes}: {len(jax.local_devices())} local "
         f"devices, replicas {sorted({i // plan.tp for i in mine})}", always=True)
   metrics_path = os.path.join(config.workdir, "metrics.jsonl")
-  footprints = check_footprint(config, model, plan, optimizer, devices, log)
-  # A model past the split step's int32 indexing: refused now if its plan needs that step,
-  # else told that a failure would stop it (not a traceback when it comes).
+  # A model past the split step's int32 indexing (from shapes): refused before the memory
+  # plan compiles anything if its plan needs that step (a dry run says so after its tables),
+  # else told that a failed slot would stop it, not met by a traceback when one comes.
   zero = zero_settings(config.train)
   if len(plan.classes) > 1 or zero is not None:
     try:
       check_split_step(plan, model, zero)
+      unbuildable = None
     except ConfigError as err:
       if not config.dry_run:
         raise
-      log(f"warning: this plan cannot be built: {err}")
+      unbuildable = f"this plan cannot be built: {err}"
   else:
-    unrecoverable = failure_overrun(plan, plan_of, model, zero)
-    if unrecoverable is not None:
-      log(f"warning: {unrecoverable}")
+    unbuildable = failure_overrun(plan, plan_of, model, zero)
+  footprints = check_footprint(config, model, plan, optimizer, devices, log)
+  if unbuildable is not None:
+    log(f"warning: {unbuildable}")
   if config.dry_run:
     return TrainResult(plan=plan, metrics_path=metrics_path, footprints=footprints,
                        dry_run=True)

@@ -306,6 +306,11 @@ def test_a_step_past_int32_indexing_is_refused_before_compiling(tmp_path):
                             "(TP degrees [3, 4]) the split step at TP degree "), warning
   assert split_step_overrun(plan, gpt_spec(dataclasses.replace(cfg, n_layers=2), 0).make,
                             zero_settings(run.train)) is None
+  # A run stops at its start, before the memory plan compiles anything or data is read.
+  config.workdir = str(tmp_path)
+  with pytest.raises(ConfigError, match=r"^model: gpt on the plan with TP degrees \[4, 4\]"):
+    train(config, log=lambda *_: None)
+  assert os.listdir(tmp_path) == []
   assert time.monotonic() - started < 30  # shapes only: nothing compiled
   assert extension_depths(80)[:2] == [(20, 40), (19, 38)] and extension_depths(80)[-1] == (2, 4)
   assert extension_depths(7) == []
