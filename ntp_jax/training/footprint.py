@@ -213,26 +213,37 @@ def check_split_step(plan: Plan, model: ModelSpec, zero: ZeroSettings | None) ->
                       "step, which has no such bound (docs/zero.md, \"Not built yet\")")
 
 
-def failure_overrun(plan: Plan, failed_plan: Callable[[frozenset], Plan], model: ModelSpec,
+def failure_overrun(plan: Plan, failed: frozenset[tuple[int, int]],
+                    failed_plan: Callable[[frozenset], Plan], model: ModelSpec,
                     zero: ZeroSettings | None) -> str | None:
   """Why a failure would stop a run of ``plan`` (one line), or None: the plan one more
-  failed slot leads to (``failed_plan(slots)``: the last live slot of the first replica of
-  two or more) needs a split step that cannot be built (``split_step_overrun``). Checked
-  for models of ``INT32_MAX / 2`` parameters or more only."""
+  failed slot leads to (``failed_plan(failed | {slot})``, ``failed`` the plan's failed
+  ``(replica, slot)`` pairs, the slot the last live one of the first replica of two or
+  more) needs a split step that cannot be built (``split_step_overrun``). Checked for
+  models of ``INT32_MAX / 2`` parameters or more only."""
   if 2 * model.param_count <= INT32_MAX:
     return None
   replica = next((r for r in plan.replicas if r.degree > 1), None)
   if replica is None:
     return None
-  failed = {(r.replica, s) for r in plan.replicas for s in range(plan.tp)
-            if s not in r.live_slots} | {(d, s) for d in plan.dropped for s in range(plan.tp)}
-  failed = frozenset(failed | {(replica.replica, replica.live_slots[-1])})
-  after = failed_plan(failed)
+  after = failed_plan(frozenset(failed) | {(replica.replica, replica.live_slots[-1])})
   overrun = split_step_overrun(after, model.make, zero)
   if overrun is None:
     return None
   return (f"a failed slot would stop this run: on the plan it leads to (TP degrees "
           f"{[r.degree for r in after.replicas]}) {overrun} (docs/zero.md, \"Not built yet\")")
+
+
+def memoized_split_step_overrun(memo: dict, plan: Plan,
+                                make_model: Callable[[Any], nnx.Module],
+                                zero: ZeroSettings | None) -> str | None:
+  """``split_step_overrun`` kept in ``memo`` (one model depth's memo, as
+  ``class_footprints`` takes it) under the plan's classes and whether ``zero`` is set."""
+  key = ("split step overrun", plan.classes, zero is not None)
+  if key not in memo:
+    lengths = memoized_sync_lengths(memo, plan, make_model) if zero is not None else None
+    memo[key] = split_step_overrun(plan, make_model, zero, lengths)
+  return memo[key]
 
 
 def memoized_sync_lengths(memo: dict, plan: Plan,
@@ -380,12 +391,9 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
   split = len(plan.classes) > 1 or zero is not None
   label = optimizer_label(zero, len(plan.replicas))
   if split:  # known from shapes, before tracing or compiling anything
-    key = ("split step overrun", plan.classes, zero is not None)
-    if key not in memo:
-      lengths = memoized_sync_lengths(memo, plan, make_model) if zero is not None else None
-      memo[key] = split_step_overrun(plan, make_model, zero, lengths)
-    if memo[key] is not None:
-      raise OverflowError(memo[key])
+    overrun = memoized_split_step_overrun(memo, plan, make_model, zero)
+    if overrun is not None:
+      raise OverflowError(overrun)
 
   def compile_once(key, jitted, *args, **static):
     key = (plan.classes, seq_len, unrolled) + key

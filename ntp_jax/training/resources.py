@@ -20,7 +20,6 @@ from typing import Any
 from ntp_jax.errors import ConfigError
 from ntp_jax.model import ModelSpec
 from ntp_jax.parallel.plan import Plan
-from ntp_jax.parallel.sync_leaf import INT32_MAX
 from ntp_jax.parallel.zero import ZeroSettings, piece_count
 from ntp_jax.training.config import RunConfig
 from ntp_jax.training.footprint import (
@@ -32,6 +31,7 @@ from ntp_jax.training.footprint import (
   device_capacity,
   extend_in_depth,
   footprint_table,
+  memoized_split_step_overrun,
   memoized_sync_lengths,
   optimizer_label,
   per_device_flops,
@@ -79,20 +79,19 @@ def extension_depths(n_layers: int) -> list[tuple[int, int]]:
   return [(a, 2 * a) for a in range(n_layers // 4, 1, -1)]
 
 
-def _first_within_sync_bound(plan: Plan, model: ModelSpec,
+def _deepest_buildable(plan: Plan, model: ModelSpec, zero: ZeroSettings | None,
                              pairs: Sequence[tuple[int, int]], memo: dict) -> int:
-  """Index of the deepest of ``pairs`` (deepest first) whose deeper model's sync buffers
-  stay within the sharded optimizer's int32 bound (``class_footprints`` refuses the others
-  from their shapes), found by bisection, as the buffers only grow with depth: each try
-  builds a model's parameter shapes (0.1 s at 70B), kept in that depth's ``memo``. The
+  """Index of the deepest of ``pairs`` (deepest first) whose deeper model's split step can be
+  built (``footprint.split_step_overrun``: ``class_footprints`` refuses the others from
+  their shapes), found by bisection, as the blocks and buffers only grow with depth: each
+  try builds a model's parameter shapes (0.1 s at 70B), kept in that depth's ``memo``. The
   last pair when none does."""
   low, high = 0, len(pairs) - 1
   while low < high:
     middle = (low + high) // 2
     deeper = pairs[middle][1]
-    lengths = memoized_sync_lengths(memo.setdefault(("layers", deeper), {}), plan,
-                                    model.layers(deeper).make)
-    if max(lengths.values()) <= INT32_MAX:
+    if memoized_split_step_overrun(memo.setdefault(("layers", deeper), {}), plan,
+                                   model.layers(deeper).make, zero) is None:
       high = middle
     else:
       low = middle + 1
@@ -138,8 +137,9 @@ def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimiz
   if not pairs:
     raise ResourceError(f"the step's programs cannot be built for this model ({cause}) and "
                         f"{model.name} cannot be measured at fewer layers")
-  if zero is not None and len(pairs) > 2:  # past the sharded optimizer's bound: skip at once
-    pairs = pairs[_first_within_sync_bound(plan, model, pairs, memo):]
+  split = zero is not None or len(plan.classes) > 1
+  if split and len(pairs) > 2:  # past the split step's int32 bound: skip those at once
+    pairs = pairs[_deepest_buildable(plan, model, zero, pairs, memo):]
   for pair in pairs:  # the deepest pair whose programs can be built
     try:
       parts = []

@@ -242,7 +242,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
         raise
       unbuildable = f"this plan cannot be built: {err}"
   else:
-    unbuildable = failure_overrun(plan, plan_of, model, zero)
+    unbuildable = failure_overrun(plan, config.ntp.failed, plan_of, model, zero)
   footprints = check_footprint(config, model, plan, optimizer, devices, log)
   if unbuildable is not None:
     log(f"warning: {unbuildable}")

@@ -300,7 +300,8 @@ def test_a_step_past_int32_indexing_is_refused_before_compiling(tmp_path):
   # Replicated, one TP degree: the fused step builds; a failed slot's plan would not.
   asked = []
   warning = failure_overrun(
-      plan, lambda failed: asked.append(failed) or plan_for(run, spec, failed), spec, None)
+      plan, frozenset(), lambda failed: asked.append(failed) or plan_for(run, spec, failed),
+      spec, None)
   assert asked == [{(0, 3)}]  # the first replica's last live slot
   assert warning.startswith("a failed slot would stop this run: on the plan it leads to "
                             "(TP degrees [3, 4]) the split step at TP degree "), warning
@@ -315,12 +316,12 @@ def test_a_step_past_int32_indexing_is_refused_before_compiling(tmp_path):
   assert extension_depths(80)[:2] == [(20, 40), (19, 38)] and extension_depths(80)[-1] == (2, 4)
   assert extension_depths(7) == []
   # The deepest pair within the bound, found by bisection, is the first a walk finds.
-  from ntp_jax.training.resources import _first_within_sync_bound
-  pairs, spec = extension_depths(80), gpt_spec(cfg, 0)
-  walk = [max(sync_buffer_lengths(plan, spec.layers(deeper).make).values()) <= INT32_MAX
+  from ntp_jax.training.resources import _deepest_buildable
+  pairs, zero = extension_depths(80), zero_settings(run.train)
+  walk = [split_step_overrun(plan, spec.layers(deeper).make, zero) is None
           for _, deeper in pairs]
   assert 0 < walk.index(True) < len(pairs) - 1 and all(walk[walk.index(True):])
-  assert _first_within_sync_bound(plan, spec, pairs, {}) == walk.index(True)
+  assert _deepest_buildable(plan, spec, zero, pairs, {}) == walk.index(True)
 
 
 def test_extension_in_depth_is_linear_in_temp_and_outputs():
