@@ -104,6 +104,9 @@ def get_config() -> ml_collections.ConfigDict:
   # The survivors go on training with their replicas instead of stopping (JAX's
   # jax_enable_recoverability; docs/multihost.md says what it needs and cannot survive)
   c.distributed.recoverable = False
+  # Recoverable CPU jobs: seconds a collective waits for its peers before the step raises and
+  # is thrown away (gloo); 0: 2 x heartbeat_timeout_s, at least 10 (docs/multihost.md)
+  c.distributed.collective_timeout_s = 0.0
 
   c.compile = ml_collections.ConfigDict()
   # JAX's persistent compilation cache (a restart loads its programs): a folder, "none", or ""

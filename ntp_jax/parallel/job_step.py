@@ -56,6 +56,13 @@ class JobStep:
     zero: shard the optimizer state over the peer groups (``zero.ZeroSettings``; the
       programs built split): the class programs' ``opt_state`` moves into the step's
       sharded state and is None between steps (``optimizer_states`` gives it back).
+    commit: steps that commit (``processes.commit``; the programs built split, no
+      ``zero``): ``commit(phase, error)`` is called once the collectives of a phase of the
+      step (``"grad"``, ``"sync"``, ``"finish"``) have ended here, with None or the error one of them
+      raised; it returns when the phase ended in every live process and raises otherwise
+      (``arrival.ProcessLost``), the state untouched. Only after the last phase does the
+      update run (``SplitStep.apply_grads``: no collective), so every survivor applies a
+      step or none does.
 
   Raises:
     ValueError: this process holds no device of the plan.
@@ -64,8 +71,12 @@ class JobStep:
   def __init__(self, plan: Plan, programs: list[ClassProgram],
                cache: ProgramCache | None = None, *, split: bool = False,
                before_sync: Callable[[], None] | None = None,
-               zero: ZeroSettings | None = None):
+               zero: ZeroSettings | None = None,
+               commit: Callable[[str, BaseException | None], None] | None = None):
+    if commit is not None and (zero is not None or not split):
+      raise ValueError("steps that commit need the split programs and no sharded optimizer")
     self.plan = plan
+    self.commit = commit
     self.programs = programs
     self.cache = cache or ProgramCache()
     self.before_sync = before_sync
@@ -318,12 +329,52 @@ class JobStep:
     """Several classes: each local class's synced gradient buffers (None elsewhere)."""
     return self.sync(self._gradient_buffers(batch))
 
+  def _committed_step(self, batch: Any) -> dict[str, jax.Array]:
+    """A step that commits: its collectives in three phases, each ended everywhere and voted
+    on (``commit``) before the next starts, then the update alone. Nothing before the last
+    vote consumes the state.
+
+    The phases: each class's gradients (collectives within each replica), the sync (across
+    replicas), ``SplitStep.finish`` (within each replica again). The votes between them
+    keep every collective entered by all of its live processes or by none: one left
+    half-entered (a survivor waits in it for a peer whose earlier collective failed) breaks
+    its communicator, and XLA's CPU backend keeps a communicator per set of devices for the
+    life of the process, so the next plan would meet it again.
+    """
+    grads = self._voted("grad", lambda: self._gradient_buffers(batch))
+    synced = self._voted("sync", lambda: self.sync(grads))
+    finished = self._voted("finish", lambda: [
+        program.step.finish(buffers, program.params) if local else None
+        for program, local, buffers in zip(self.programs, self.local, synced)])
+    metrics = None
+    for program, local, out in zip(self.programs, self.local, finished):
+      if local:
+        grads, class_metrics = out
+        program.params, program.opt_state = program.step.apply_grads(
+            program.params, program.opt_state, grads, class_metrics["grad_norm"])
+        metrics = metrics or class_metrics
+    return metrics
+
+  def _voted(self, phase: str, run: Callable[[], Any]) -> Any:
+    """``run()``'s outputs once they are ready here and every live process voted that its
+    own are (``commit``, which raises otherwise)."""
+    try:
+      outputs = run()
+      jax.block_until_ready(outputs)
+    except jax.errors.JaxRuntimeError as err:  # a collective with a lost peer, or past its bound
+      self.commit(phase, err)  # raises: the step is thrown away everywhere
+      raise
+    self.commit(phase, None)
+    return outputs
+
   def __call__(self, batch: Any) -> dict[str, jax.Array]:
     """``batch``: int32 ``[plan.global_batch, seq + 1]`` rows in class order (or a lazy
     ``loop.DatasetRows``); returns the job's ``loss`` and ``grad_norm``, replicated over a
     class mesh this process holds."""
     if self.zero is not None:
       return self._sharded_step(batch)
+    if self.commit is not None:
+      return self._committed_step(batch)
     if self.sync is None:  # one class: the fused step reads the batch itself
       inputs = [class_batch(self.programs[0], batch, 0)]
     else:

@@ -45,6 +45,9 @@ from ntp_jax.state.placement import LogicalSource, Placement, read_logical
 from ntp_jax.state.sources import InitSource
 from ntp_jax.state.spanning import SpanningSource, read_logical_spanning
 
+# Names the update of a step that commits in ``PlanPrograms.lower``'s list.
+UPDATE_SUFFIX = ", update after the vote"
+
 
 @dataclasses.dataclass
 class ClassProgram:
@@ -189,6 +192,8 @@ class PlanPrograms:
       (``processes.arrival``).
     zero: the sharded optimizer (``zero.ZeroSettings``): the halves always, and ``lower``
       lowers its programs instead of the all-reduce and the replicated update.
+    commits: the steps commit (``job_step.JobStep``'s ``commit``): the halves always, and
+      ``lower`` lowers ``SplitStep.finish`` and ``apply_grads`` in place of ``update``.
 
   Raises:
     TypeError: the optimizer is not hashable and no ``optimizer_key`` is given.
@@ -198,9 +203,9 @@ class PlanPrograms:
                optimizer: optax.GradientTransformation, clip_norm: float, global_tokens: int,
                devices: Sequence[jax.Device], *, cache: ProgramCache | None = None,
                loss: Callable[..., Any] = default_loss, optimizer_key: Hashable | None = None,
-               split: bool = False, zero: ZeroSettings | None = None):
+               split: bool = False, zero: ZeroSettings | None = None, commits: bool = False):
     self.plan, self.make_model, self.optimizer = plan, make_model, optimizer
-    self.split, self.zero = split or zero is not None, zero
+    self.split, self.zero, self.commits = split or zero is not None or commits, zero, commits
     self.settings = StepSettings(optimizer, clip_norm, global_tokens, loss, optimizer_key)
     self.cache = cache or ProgramCache()
     self.shapes = plan_shapes(plan, make_model, optimizer, devices, self.cache, self.settings)
@@ -340,14 +345,19 @@ class PlanPrograms:
       batch = jax.ShapeDtypeStruct((replica_class.batch_rows, seq_len + 1), np.int32,
                                    sharding=NamedSharding(mesh, P(DP)))
       if key not in skip:
-        if self.zero is None:
+        if self.commits:
+          lowered_step = step.lower_committed(state["params"], state["opt_state"], batch)
+        elif self.zero is None:
           lowered_step = step.lower(state["params"], state["opt_state"], batch)
         else:  # zero2: each micro-batch size's gradient half instead of the whole share's
           sizes = [size for _, size in micro_batches(replica_class.batch_share,
                                                      replica_class.microbatches)
                    ] if self.zero.stage == 2 else []
           lowered_step = step.lower_sharded(state["params"], batch, sizes)
-        steps += [(f"class program ({name})", key, lowered) for lowered in lowered_step]
+        names = [f"class program ({name})"] * len(lowered_step)
+        if self.commits:  # its last program runs after the vote: checked for collectives
+          names[-1] += UPDATE_SUFFIX
+        steps += [(what, key, lowered) for what, lowered in zip(names, lowered_step)]
       if isinstance(step, SplitStep):
         blocks.append(abstract_sync_blocks(step.grad, state["params"], batch, mesh))
         first = first or (step, state["params"])

@@ -135,12 +135,23 @@ def _local_grads(graphdef, params_local, batch, global_tokens, loss, microbatche
 
 
 def _update(optimizer, clip_norm, replicas):
+  apply = _apply_clipped(optimizer, clip_norm)
+
   def update(params, opt_state, grads):
     norm = logical_norm(grads, replicas, stacked=True)
+    params, opt_state = apply(params, opt_state, grads, norm)
+    return params, opt_state, norm
+  return update
+
+
+def _apply_clipped(optimizer, clip_norm):
+  """``(params, opt_state, grads, norm) -> (params, opt_state)``: the update from gradients
+  whose logical norm is known; elementwise for an elementwise optimizer (no collective)."""
+  def apply(params, opt_state, grads, norm):
     grads = clip_by_logical_norm(grads, norm, clip_norm)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, norm
-  return update
+    return optax.apply_updates(params, updates), opt_state
+  return apply
 
 
 def _shardings_of(tree: Any) -> Any:
@@ -291,6 +302,13 @@ class SplitStep:
     unpack_over: ``mesh -> program``: ``unpack`` over another ``('dp', 'tp')`` mesh of
       this class's layout (some of its rows: the replicas left after a lost process,
       ``zero_survivors``), nothing donated; one jitted program per mesh.
+    finish: jitted ``(buffers, params) -> (grads, metrics)``: the update half's collectives
+      alone, for steps that commit (``processes.commit``): the synced buffers
+      back in the class layout, and the job's ``loss`` and ``grad_norm`` (f32, replicated
+      over the class mesh); ``params`` gives the layout and is not donated.
+    apply_grads: jitted ``(params, opt_state, grads, grad_norm) -> (params, opt_state)``:
+      the rest of the update half, state donated; it runs no collective
+      for an elementwise optimizer (``parallel.commit_check`` checks the compiled program).
   """
 
   grad: Callable[..., Any]
@@ -303,6 +321,8 @@ class SplitStep:
   zeros: Callable[..., Any]
   leaves: tuple
   unpack_over: Callable[[Mesh], Callable[..., Any]]
+  finish: Callable[..., Any]
+  apply_grads: Callable[..., Any]
 
   @classmethod
   def build(cls, graphdef: nnx.GraphDef, params: Any, opt_state: Any, mesh: Mesh,
@@ -377,6 +397,18 @@ class SplitStep:
     update_fn = jax.jit(update_step, donate_argnums=(0, 1),
                         out_shardings=(shardings, opt_shardings,
                                        {"loss": replicated, "grad_norm": replicated}))
+
+    def finish(buffers, params):
+      grads = restore(buffers, params)
+      norm = logical_norm(grads, mesh.devices.shape[0], stacked=True)
+      return grads, {"loss": synced_loss(buffers), "grad_norm": norm}
+
+    metric_shardings = {"loss": replicated, "grad_norm": replicated}
+    finish_fn = jax.jit(finish, out_shardings=(shardings, metric_shardings))
+    apply_grads = jax.jit(_apply_clipped(settings.optimizer, settings.clip_norm),
+                          donate_argnums=(0, 1), in_shardings=(
+                              shardings, opt_shardings, shardings, replicated),
+                          out_shardings=(shardings, opt_shardings))
     return cls(grad=grad_fn, micro_grad=micro_grad, update=update_fn,
                evaluate=jax.jit(make_eval_loss(graphdef, params, mesh, settings.loss)),
                mesh=mesh, pack=jax.jit(pack), unpack=jax.jit(restore, out_shardings=shardings,
@@ -385,7 +417,8 @@ class SplitStep:
                    lambda x: jnp.zeros_like(x, dtype=dtype), tree), static_argnames=("dtype",),
                              out_shardings=shardings), leaves=leaves,
                unpack_over=functools.cache(lambda rows: jax.jit(jax.shard_map(
-                   restore_body, mesh=rows, in_specs=(block_specs, specs), out_specs=specs))))
+                   restore_body, mesh=rows, in_specs=(block_specs, specs), out_specs=specs))),
+               finish=finish_fn, apply_grads=apply_grads)
 
   def apply(self, params, opt_state, inputs):
     return self.update(params, opt_state, inputs)
@@ -399,6 +432,17 @@ class SplitStep:
   def lower(self, params, opt_state, batch) -> list[jax.stages.Lowered]:
     blocks = abstract_sync_blocks(self.grad, params, batch, self.mesh)
     return [self.grad.lower(params, batch), self.update.lower(params, opt_state, blocks)]
+
+  def lower_committed(self, params, opt_state, batch) -> list[jax.stages.Lowered]:
+    """The programs of a step that commits (``finish`` and ``apply_grads`` in place of
+    ``update``), lowered for these (maybe abstract) arguments."""
+    blocks = abstract_sync_blocks(self.grad, params, batch, self.mesh)
+    grads, metrics = jax.eval_shape(self.finish, blocks, params)
+    grads = jax.tree.map(lambda g, p: jax.ShapeDtypeStruct(g.shape, g.dtype,
+                                                           sharding=p.sharding), grads, params)
+    norm = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(self.mesh, P()))
+    return [self.grad.lower(params, batch), self.finish.lower(blocks, params),
+            self.apply_grads.lower(params, opt_state, grads, norm)]
 
   def lower_sharded(self, params, batch, micro_sizes: Sequence[int] = ()
                     ) -> list[jax.stages.Lowered]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,7 @@ GPU_RECOVERY_FLAGS = {"--xla_gpu_nccl_terminate_on_error": "false",
                       "--xla_gpu_nccl_async_execution": "true",
                       "--xla_gpu_nccl_blocking_communicators": "false"}
 GPU_RECOVERY_ENV = {"XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1"}
+CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 # Packages of JAX's GPU plugins: one importable means the job runs on GPUs.
 _GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                 "jax_rocm7_plugin")
@@ -62,6 +64,7 @@ class Settings:
   heartbeat_timeout_s: float
   processes_per_domain: int
   recoverable: bool = False
+  collective_timeout_s: float = 0.0  # 0: collective_timeout_s(heartbeat_timeout_s)
 
 
 def settings_from_config(distributed: Any, environ: dict[str, str] | None = None
@@ -96,11 +99,13 @@ def settings_from_config(distributed: Any, environ: dict[str, str] | None = None
                         f"{coordinator}, got {num}")
     if not 0 <= pid < num:
       raise ConfigError(f"distributed.process_id: must be in 0..{num - 1}, got {pid}")
-    return Settings(coordinator, num, pid, timeout, per_domain, distributed.recoverable)
+    return Settings(coordinator, num, pid, timeout, per_domain, distributed.recoverable,
+                    distributed.collective_timeout_s)
   if num == 1:
     return None
   if _cluster_processes(env) > 1:
-    return Settings(None, None, None, timeout, per_domain, distributed.recoverable)
+    return Settings(None, None, None, timeout, per_domain, distributed.recoverable,
+                    distributed.collective_timeout_s)
   return None
 
 
@@ -165,6 +170,33 @@ def gpu_recovery_environment(environ: dict[str, str]) -> tuple[dict[str, str], l
   return update, added
 
 
+def collective_timeout_s(settings: Settings) -> int:
+  """Seconds a CPU collective waits for its peers in a recoverable job (XLA's
+  ``--xla_cpu_collective_timeout_seconds``, 1800 by default): ``collective_timeout_s`` when
+  set, else twice the heartbeat's timeout, at least 10 s.
+
+  Gloo tells a dead process's neighbours at once ("connection closed") but leaves every
+  other participant waiting until this bound, after which its step raises and the loss is
+  taken over; the heartbeat names the peer meanwhile. A healthy wait must stay below it:
+  processes compile a step's programs before they arrive at it
+  (``TrainingRun._compile_before_arriving``), but one process's step can still lag another's
+  by seconds where processes share few cores.
+  """
+  if settings.collective_timeout_s:
+    return math.ceil(settings.collective_timeout_s)
+  return max(10, math.ceil(2 * settings.heartbeat_timeout_s))
+
+
+def cpu_collective_environment(environ: dict[str, str], settings: Settings) -> dict[str, str]:
+  """``XLA_FLAGS`` with the collective bound of ``collective_timeout_s`` added (kept when
+  already given)."""
+  flags = environ.get("XLA_FLAGS", "").split()
+  if any(f.startswith(CPU_COLLECTIVE_TIMEOUT_FLAG + "=") for f in flags):
+    return {}
+  flags.append(f"{CPU_COLLECTIVE_TIMEOUT_FLAG}={collective_timeout_s(settings)}")
+  return {"XLA_FLAGS": " ".join(flags)}
+
+
 def initialize(settings: Settings) -> str | None:
   """Join the job: ``jax.distributed.initialize`` (gloo collectives on CPU).
 
@@ -189,6 +221,8 @@ def initialize(settings: Settings) -> str | None:
       note = ("distributed.recoverable on GPU: "
               + (", ".join(added) if added else "the NCCL settings were set already")
               + " (collectives with a lost peer are cancelled, not waited on)")
+    else:  # before the CPU backend starts: it reads the flag once
+      os.environ.update(cpu_collective_environment(os.environ, settings))
     jax.config.update("jax_enable_recoverability", True)
   jax.distributed.initialize(
       settings.coordinator, settings.num_processes, settings.process_id,
@@ -277,6 +311,16 @@ class Job:
 _JOINED: Job | None = None
 
 
+def _takeover_s(settings: Settings) -> float:
+  """Seconds the main thread gets to take a loss over: a third of the heartbeat's timeout
+  (between steps it is waiting at an arrival), and in a recoverable job also the bound of
+  the collective it may be held in (``collective_timeout_s``), after which its step raises."""
+  base = settings.heartbeat_timeout_s / 3 + 1.0
+  if settings.recoverable and not expects_gpu():
+    return base + collective_timeout_s(settings)
+  return base
+
+
 def join(distributed: Any) -> Job:
   """Start ``jax.distributed`` if the ``distributed`` section (``DistributedConfig``) or the
   environment asks for several processes, and the heartbeat.
@@ -304,8 +348,7 @@ def join(distributed: Any) -> Job:
     # heartbeat ends the process itself, after a short grace.
     heartbeat = Heartbeat(jax_distributed.global_state.client, jax.process_index(),
                           jax.process_count(), settings.heartbeat_timeout_s,
-                          takeover_s=(settings.heartbeat_timeout_s / 3 + 1.0) if takes_over
-                          else None).start()
+                          takeover_s=_takeover_s(settings) if takes_over else None).start()
   _JOINED = Job(jax.process_index(), jax.process_count(), heartbeat,
                 settings.processes_per_domain, jax_distributed.global_state.client,
                 settings.recoverable, distributed.jit_checkpoint_s,

@@ -56,6 +56,7 @@ class Heartbeat:
     self.lost: str | None = None
     self.lost_processes: set[int] = set()  # found lost (offered to the main thread)
     self._taken = threading.Event()
+    self._verdicts = self._verdicts_taken = 0  # losses found; of them, taken over
     now = time.monotonic()
     self._last_change = {p: now for p in range(num_processes) if p != process_id}
     self._last_value: dict[int, str | None] = dict.fromkeys(self._last_change)
@@ -118,6 +119,7 @@ class Heartbeat:
     """A lost peer; True when the main thread took it over (keep watching the others)."""
     self.lost = (f"lost process {peer} of {self.num_processes}: {why} "
                  f"(distributed.heartbeat_timeout_s={self.timeout_s:g})")
+    self._verdicts += 1
     if offer and self.takeover_s is not None:
       self._taken.clear()
       self.lost_processes.add(peer)
@@ -133,6 +135,7 @@ class Heartbeat:
   def take_over(self) -> set[int]:
     """The main thread handles the losses found so far (returns them); the heartbeat
     stops counting down to ending the process, and watches the other peers."""
+    self._verdicts_taken = self._verdicts
     self._taken.set()
     return set(self.lost_processes)
 
@@ -140,12 +143,12 @@ class Heartbeat:
     """After an error in a collective: wait up to the timeout for a lost peer to show.
 
     Returns the lost-process line, or None if every peer still answers (the
-    error was this process's own).
+    error was this process's own); a loss taken over already does not count.
     """
     deadline = time.monotonic() + self.timeout_s + 2 * self.interval_s
-    while self.lost is None and time.monotonic() < deadline:
+    while self._verdicts == self._verdicts_taken and time.monotonic() < deadline:
       time.sleep(self.interval_s / 2)
-    return self.lost
+    return self.lost if self._verdicts > self._verdicts_taken else None
 
 
 class StopAgreement:

@@ -116,6 +116,8 @@ class DistributedConfig:
   jit_checkpoint_s: float
   # The survivors go on with their replicas (jax_enable_recoverability) instead of stopping
   recoverable: bool
+  # Recoverable CPU jobs: a collective's bound (0: from heartbeat_timeout_s)
+  collective_timeout_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +201,8 @@ class RunConfig:
         processes_per_domain=reader.int("distributed.processes_per_domain", low=1),
         heartbeat_timeout_s=reader.float("distributed.heartbeat_timeout_s", positive=True),
         jit_checkpoint_s=reader.float("distributed.jit_checkpoint_s", low=0.0),
-        recoverable=reader.bool("distributed.recoverable"))
+        recoverable=reader.bool("distributed.recoverable"),
+        collective_timeout_s=reader.float("distributed.collective_timeout_s", low=0.0))
     data = DataConfig(path=reader.str("data.path"),
                       max_corpus_bytes=reader.int("data.max_corpus_bytes", low=1),
                       val_fraction=reader.float("data.val_fraction", low=0.0))

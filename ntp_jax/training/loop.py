@@ -19,11 +19,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from ntp_jax.analysis.hlo_collectives import collectives
 from ntp_jax.errors import ConfigError
 from ntp_jax.model import ModelSpec
 from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import Plan, make_plan, micro_batch_text, reachable_failed_sets
 from ntp_jax.parallel.programs import (
+  UPDATE_SUFFIX,
   PlanPrograms,
   ProgramCache,
   build_class_programs,
@@ -200,8 +202,10 @@ class TrainingRun:
     state.plan = plan
     if self.checkpoints is not None and jax.process_count() > 1:
       self._check_every_process_holds_a_piece(plan)  # from shapes: before anything is placed
-    arrive = self.guard.arrives_before_sync(plan)
-    split = arrive or self.zero is not None  # the sharded optimizer takes the split halves
+    commits = self.guard.commits(plan, self.zero)
+    arrive = self.guard.arrives_before_sync(plan) and not commits
+    # The sharded optimizer and steps that commit take the split halves.
+    split = arrive or commits or self.zero is not None
     if split or len(plan.classes) > 1:
       check_split_step(plan, self.model, self.zero)
     state.programs = build_class_programs(plan, self.model.make, self.optimizer,
@@ -209,7 +213,8 @@ class TrainingRun:
                                           self.devices, source=source, cache=self.cache,
                                           loss=self.model.loss, split=split)
     state.job_step = JobStep(plan, state.programs, cache=self.cache, split=split,
-                             before_sync=self._arrive if arrive else None, zero=self.zero)
+                             before_sync=self._arrive if arrive else None, zero=self.zero,
+                             commit=self._commit if commits else None)
     if state.job_step.zero is not None:
       pieces = state.job_step.zero.pieces
       self.log(f"{'  ' if state.step else ''}optimizer state: {self.zero.name}, {pieces} "
@@ -230,6 +235,9 @@ class TrainingRun:
 
   def _arrive(self, phase: str = "sync") -> None:
     self.guard.arrive(self.state.step, self.state.plan, phase)
+
+  def _commit(self, phase: str, error: BaseException | None) -> None:
+    self.guard.commit(self.state.step, self.state.plan, phase, error)
 
   def global_tokens(self, plan: Plan) -> int:
     """Predicted tokens in one step of ``plan``, over every class."""
@@ -300,8 +308,28 @@ class TrainingRun:
     return PlanPrograms(plan, self.model.make, self.optimizer, self.config.train.clip_norm,
                         self.global_tokens(plan), self.devices, cache=self.cache,
                         loss=self.model.loss, split=self.guard.arrives_before_sync(plan),
-                        zero=self.zero).lower(
+                        zero=self.zero, commits=self.guard.commits(plan, self.zero)).lower(
                             self.config.train.seq_len, source, skip=self.cache.compiled_keys())
+
+  def _compile_before_arriving(self, plan: Plan) -> None:
+    """Steps that commit bound every collective's wait (``distributed.initialize``): a peer
+    still compiling a program that this process already runs would be taken for lost. So
+    each process compiles the step's programs before it arrives at the step's start.
+
+    Raises:
+      ConfigError: the update, which runs after the vote, holds a collective (an optimizer
+        that is not elementwise): a peer lost inside it would leave the survivors apart.
+    """
+    lowered = PlanPrograms(plan, self.model.make, self.optimizer, self.config.train.clip_norm,
+                           self.global_tokens(plan), self.devices, cache=self.cache,
+                           loss=self.model.loss, commits=True).lower(
+                               self.config.train.seq_len, skip=self.cache.compiled_keys())
+    for what, _, program in lowered:
+      compiled = program.compile()
+      if what.endswith(UPDATE_SUFFIX) and collectives(compiled.as_text()):
+        raise ConfigError(f"train: the optimizer's update holds collectives "
+                          f"({sorted({c.kind for c in collectives(compiled.as_text())})}), "
+                          "so a recoverable step cannot commit; use an elementwise optimizer")
 
   def _wait_for_compile_ahead(self, timeout_s: float | None) -> bool:
     return self.precompiler is None or self.precompiler.wait_idle(timeout=timeout_s)
@@ -489,6 +517,8 @@ class TrainingRun:
       # hold this process in one).
       jax.block_until_ready([(p.params, p.opt_state) for p, local
                              in zip(state.programs, job_step.local) if local])
+      if state.compile_next and job_step.commit is not None:
+        self._compile_before_arriving(plan)
       self._arrive("start")  # every process is here: none of this step's programs has run
     metrics = job_step(batch)
     # Both block: with several classes the loss is ready before the update is done.

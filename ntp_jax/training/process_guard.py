@@ -24,6 +24,7 @@ import jax
 
 from ntp_jax.parallel.plan import Plan
 from ntp_jax.processes.arrival import Arrival, ProcessLost
+from ntp_jax.processes.commit import LOST, StepVote, committed
 from ntp_jax.processes.distributed import Job
 from ntp_jax.processes.heartbeat import LOST_EXIT_CODE, end_process
 from ntp_jax.resilience.events import Event
@@ -68,10 +69,12 @@ class ProcessGuard:
                log: Callable[..., None], event: Callable[..., None]):
     self.job, self.devices, self.log, self.event = job, list(devices), log, event
     self.arrival: Arrival | None = None
+    self.vote: StepVote | None = None
     self.takeover_base_s = 0.0
     if job is not None and job.multi_process and job.heartbeat is not None and (
         job.heartbeat.takeover_s is not None):
       self.arrival = Arrival(job.client, job.process_id, job.heartbeat)
+      self.vote = StepVote(job.client, job.process_id, job.heartbeat)
       self.takeover_base_s = job.heartbeat.takeover_s
     self.lost_devices: set[jax.Device] = set()  # devices of processes lost (recoverable mode)
 
@@ -100,6 +103,54 @@ class ProcessGuard:
       return False
     return all(len(processes_of(self.devices[r.replica * plan.tp + s] for s in r.live_slots)) == 1
                for r in plan.replicas)
+
+  def commits(self, plan: Plan, zero=None) -> bool:
+    """Steps of ``plan`` commit (``processes.commit``): a recoverable job's plan over several
+    processes with the optimizer state replicated (``zero`` None). A peer lost at any moment
+    of such a step, inside its collectives included, leaves every survivor the state of the
+    last step that committed."""
+    return (self.arrives_at_start(plan) and self.job.recoverable and zero is None)
+
+  def commit(self, step: int, plan: Plan, phase: str = "step",
+             error: BaseException | None = None) -> None:
+    """Vote on ``phase`` of ``step`` once its collectives ended here (``error``: what one
+    raised) and return when it ended so in every live process of ``plan``.
+
+    Raises:
+      ProcessLost: it does not (a peer lost before its vote, or a peer's collective
+        raised); the processes lost in it, agreed by every survivor. Nothing was applied.
+      ProcessStop: the peers took this process for lost (it voted too late).
+      BaseException: ``error`` (or a RuntimeError) when no process was lost: the step
+        failed for another reason.
+    """
+    participants = self.plan_processes(plan) - self.lost_processes
+    epoch, me = self.arrival.epoch, self.job.process_id
+    votes = self.vote.decide(epoch, f"{step}/{phase}", participants, ok=error is None)
+    if committed(votes):
+      return
+    if votes[me] == LOST:
+      raise ProcessStop(f"process {me} was taken for lost by its peers inside step {step} "
+                        "(no heartbeat in time) and stops; they go on without it")
+    heartbeat = self.job.heartbeat
+    lost = self.vote.agree_lost(epoch, f"{step}/{phase}", participants, votes,
+                                wait_s=heartbeat.timeout_s + 2 * heartbeat.interval_s)
+    if not lost:
+      if error is not None:
+        raise error
+      raise RuntimeError(f"step {step}: a collective raised on process(es) "
+                         f"{sorted(p for p, v in votes.items() if v != 'ok')}, and no process "
+                         "was lost")
+    if me in lost:
+      raise ProcessStop(f"process {me} was taken for lost by a peer inside step {step} (no "
+                        "heartbeat in time) and stops; the others go on without it")
+    heartbeat.lost_processes.update(lost)  # agreed: the heartbeat stops counting them down
+    heartbeat.take_over()
+    raised = sorted(p for p, v in votes.items() if v == "fail")
+    raise ProcessLost(lost, step, (
+        f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, sorted(lost)))} of "
+        f"{self.job.num_processes} inside step {step} (the step's collectives raised on "
+        f"process(es) {raised}; distributed.heartbeat_timeout_s={heartbeat.timeout_s:g}); "
+        "the step is thrown away by every survivor"))
 
   def arrive(self, step: int, plan: Plan, phase: str = "sync") -> None:
     """Wait until every live process of ``plan`` reached ``phase`` of ``step``.
