@@ -58,9 +58,9 @@ class JobStep:
       sharded state and is None between steps (``optimizer_states`` gives it back).
     commit: steps that commit (``processes.commit``; the programs built split, no
       ``zero``): ``commit(phase, error)`` is called once the collectives of a phase of the
-      step (``"grad"``, ``"sync"``, ``"finish"``) have ended here, with None or the error one of them
-      raised; it returns when the phase ended in every live process and raises otherwise
-      (``arrival.ProcessLost``), the state untouched. Only after the last phase does the
+      step (``"grad"``, ``"sync"``, ``"finish"``) have ended here, with None or the error
+      one of them raised; it returns when the phase ended in every live process and raises
+      otherwise (``arrival.ProcessLost``), the state untouched. Only after the last phase does the
       update run (``SplitStep.apply_grads``: no collective), so every survivor applies a
       step or none does.
 

@@ -18,6 +18,7 @@ with the lost peer and cannot return (``heartbeat.end_process``).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 
 import jax
@@ -205,7 +206,7 @@ class ProcessGuard:
               if (r, s) not in failed]
     self.log(f"step {step}: {lost.message}; process {self.job.process_id} goes on without "
              f"it (distributed.recoverable): {len(gone)} device(s) fail")
-    self.event("process_lost", step=step, processes=sorted(lost.processes))
+    self.event("process_lost", step=step, processes=sorted(lost.processes), time=time.time())
     self.arrival.epoch += 1
     return events
 
