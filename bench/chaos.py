@@ -142,9 +142,9 @@ def trial(layout: str, index: int, args, reference: dict[int, float], rng: rando
     after = sorted(t for _, t in got.values() if t > lost[0]["time"])
     out["next_step_s"] = after[0] - kills[0][1] if after else None
     out["steady_step_s"] = step_s
-  raised = [line for _, line in lines if "inside step" in line and "raised on" in line]
-  out["phase"] = re.search(r"inside step \d+ \(([^)]*)\)", raised[0]).group(1) if raised else (
-      "between steps" if lost else None)
+  raised = [re.search(r"inside step \d+ \((\w+) phase", line) for _, line in lines]
+  raised = [m.group(1) for m in raised if m]
+  out["phase"] = (f"{raised[0]} phase" if raised else "between steps" if lost else None)
   out["tail"] = [line for _, line in lines[-6:]] if not out["survived"] else []
   return out
 

@@ -149,8 +149,9 @@ class ProcessGuard:
     raised = sorted(p for p, v in votes.items() if v == "fail")
     raise ProcessLost(lost, step, (
         f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, sorted(lost)))} of "
-        f"{self.job.num_processes} inside step {step} (the step's collectives raised on "
-        f"process(es) {raised}; distributed.heartbeat_timeout_s={heartbeat.timeout_s:g}); "
+        f"{self.job.num_processes} inside step {step} ({phase} phase; its collectives "
+        f"raised on process(es) {raised}; distributed.heartbeat_timeout_s="
+        f"{heartbeat.timeout_s:g}); "
         "the step is thrown away by every survivor"))
 
   def arrive(self, step: int, plan: Plan, phase: str = "sync") -> None:
