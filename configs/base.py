@@ -107,6 +107,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Recoverable CPU jobs: seconds a collective waits for its peers before the step raises and
   # is thrown away (gloo); 0: 2 x heartbeat_timeout_s, at least 10 (docs/multihost.md)
   c.distributed.collective_timeout_s = 0.0
+  # JAX's coordination service runs outside the workers (python -m ntp_jax.coordinator; the
+  # launcher sets this itself), so that process 0 can be lost like any other
+  c.distributed.external_coordinator = False
 
   c.compile = ml_collections.ConfigDict()
   # JAX's persistent compilation cache (a restart loads its programs): a folder, "none", or ""

@@ -24,6 +24,7 @@ import threading
 import time
 
 from ntp_jax.processes.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from ntp_jax.processes.service import ENV_EXTERNAL_SERVICE, serve
 
 
 def free_port() -> int:
@@ -92,8 +93,10 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
       ``distributed.jit_checkpoint_s``) before they are stopped.
     run_on: never stop the others after a failure (``distributed.recoverable``: they go
       on without the failed processes); each process that ends with a non-zero status is
-      said in one line, and the job's status is process 0's (it hosts JAX's
-      coordination service: the job cannot outlive it).
+      said in one line. The launcher then hosts JAX's coordination service itself
+      (``processes.service``), so that any process, process 0 included, can be lost; the
+      job's status is 0 when every process that was not lost (ended by a signal) ended
+      with 0.
     port: the coordinator's port (default: a free one).
 
   Returns:
@@ -101,11 +104,14 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
     (a process killed by a signal counts as 128 + the signal).
   """
   address = f"127.0.0.1:{port or free_port()}"
+  service = serve(address, processes) if run_on else None  # no worker hosts it
   children = []
   pumps = []
   for i in range(processes):
     env = dict(os.environ, **{ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(processes),
                               ENV_PROCESS_ID: str(i), "PYTHONUNBUFFERED": "1"})
+    if service is not None:
+      env[ENV_EXTERNAL_SERVICE] = "1"
     if devices_per_process:
       flags = env.get("XLA_FLAGS", "")
       env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}"
@@ -144,6 +150,9 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
   except KeyboardInterrupt:
     _stop(children, set(range(processes)), grace_s)
     return 130
+  finally:
+    if service is not None:
+      service.shutdown()
   for pump in pumps:
     pump.join(timeout=5)
   aborted = sorted(i for i, c in codes.items() if i != 0 and c == 128 + signal.SIGABRT)
@@ -154,8 +163,9 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
           "job again to resume from the last one", file=sys.stderr, flush=True)
   if first_failed is None:
     return 0
-  if run_on:  # process 0's: it hosts the coordination service, the job ends with it
-    return codes[0]
+  if run_on:  # the processes lost (ended by a signal) aside, every one must have ended well
+    kept = [c for _, c in sorted(codes.items()) if c < 128]
+    return next((c for c in kept if c != 0), 0) if kept else codes[first_failed]
   return codes[first_failed]
 
 

@@ -20,6 +20,7 @@ compiled programs whose meshes hold some of them. This module
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -31,6 +32,7 @@ import jax
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.processes.heartbeat import Heartbeat, StopAgreement
+from ntp_jax.processes.service import ENV_EXTERNAL_SERVICE, no_service_in_process_0
 
 ENV_COORDINATOR = "NTP_JAX_COORDINATOR"  # set by ntp_jax.launch for each process it starts
 ENV_NUM_PROCESSES = "NTP_JAX_NUM_PROCESSES"
@@ -65,6 +67,7 @@ class Settings:
   processes_per_domain: int
   recoverable: bool = False
   collective_timeout_s: float = 0.0  # 0: collective_timeout_s(heartbeat_timeout_s)
+  external_service: bool = False  # JAX's coordination service runs outside the workers
 
 
 def settings_from_config(distributed: Any, environ: dict[str, str] | None = None
@@ -100,13 +103,19 @@ def settings_from_config(distributed: Any, environ: dict[str, str] | None = None
     if not 0 <= pid < num:
       raise ConfigError(f"distributed.process_id: must be in 0..{num - 1}, got {pid}")
     return Settings(coordinator, num, pid, timeout, per_domain, distributed.recoverable,
-                    distributed.collective_timeout_s)
+                    distributed.collective_timeout_s, _external_service(distributed, env))
   if num == 1:
     return None
   if _cluster_processes(env) > 1:
     return Settings(None, None, None, timeout, per_domain, distributed.recoverable,
-                    distributed.collective_timeout_s)
+                    distributed.collective_timeout_s, _external_service(distributed, env))
   return None
+
+
+def _external_service(distributed: Any, env) -> bool:
+  """Whether the coordination service runs outside the workers: ``distributed.
+  external_coordinator``, or ``python -m ntp_jax.launch`` hosting it."""
+  return bool(distributed.external_coordinator) or env.get(ENV_EXTERNAL_SERVICE) == "1"
 
 
 def _cluster_processes(env) -> int:
@@ -224,9 +233,11 @@ def initialize(settings: Settings) -> str | None:
     else:  # before the CPU backend starts: it reads the flag once
       os.environ.update(cpu_collective_environment(os.environ, settings))
     jax.config.update("jax_enable_recoverability", True)
-  jax.distributed.initialize(
-      settings.coordinator, settings.num_processes, settings.process_id,
-      heartbeat_timeout_seconds=int(3 * settings.heartbeat_timeout_s + 30))
+  # With the service outside (processes.service), process 0 joins it as a client only.
+  with no_service_in_process_0() if settings.external_service else contextlib.nullcontext():
+    jax.distributed.initialize(
+        settings.coordinator, settings.num_processes, settings.process_id,
+        heartbeat_timeout_seconds=int(3 * settings.heartbeat_timeout_s + 30))
   return note
 
 
@@ -274,6 +285,13 @@ class Job:
   recoverable: bool = False  # survivors of a lost process go on (distributed.recoverable)
   jit_checkpoint_s: float = 0.0  # else they write the last step first (0: they do not)
   notes: tuple[str, ...] = ()  # lines for the run's log: what joining set
+  external_service: bool = False  # JAX's coordination service runs in no worker
+  lost: set[int] = dataclasses.field(default_factory=set)  # processes lost, gone on without
+
+  @property
+  def speaker(self) -> bool:
+    """This process speaks for the job (the log, the metrics, the plot): the lowest live one."""
+    return self.process_id == min(set(range(self.num_processes)) - self.lost)
 
   def stop_agreement(self) -> StopAgreement | None:
     return StopAgreement(self.client) if self.multi_process else None
@@ -301,7 +319,7 @@ class Job:
       self.heartbeat.stop()
     if not (self.multi_process and self.recoverable):
       return
-    if not self.primary:
+    if not self.primary or self.external_service:  # the service outlives every worker
       jax.distributed.shutdown()
       return
     lost = self.heartbeat.lost_processes if self.heartbeat is not None else set()
@@ -352,5 +370,5 @@ def join(distributed: Any) -> Job:
   _JOINED = Job(jax.process_index(), jax.process_count(), heartbeat,
                 settings.processes_per_domain, jax_distributed.global_state.client,
                 settings.recoverable, distributed.jit_checkpoint_s,
-                (note,) if note else ())
+                (note,) if note else (), settings.external_service)
   return _JOINED

@@ -118,6 +118,8 @@ class DistributedConfig:
   recoverable: bool
   # Recoverable CPU jobs: a collective's bound (0: from heartbeat_timeout_s)
   collective_timeout_s: float = 0.0
+  # JAX's coordination service runs outside the workers (python -m ntp_jax.coordinator)
+  external_coordinator: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +204,8 @@ class RunConfig:
         heartbeat_timeout_s=reader.float("distributed.heartbeat_timeout_s", positive=True),
         jit_checkpoint_s=reader.float("distributed.jit_checkpoint_s", low=0.0),
         recoverable=reader.bool("distributed.recoverable"),
-        collective_timeout_s=reader.float("distributed.collective_timeout_s", low=0.0))
+        collective_timeout_s=reader.float("distributed.collective_timeout_s", low=0.0),
+        external_coordinator=reader.bool("distributed.external_coordinator"))
     data = DataConfig(path=reader.str("data.path"),
                       max_corpus_bytes=reader.int("data.max_corpus_bytes", low=1),
                       val_fraction=reader.float("data.val_fraction", low=0.0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 
@@ -20,16 +21,24 @@ class MetricsWriter:
   whole lines.
   """
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  def __init__(self, workdir: str, enabled: bool | Callable[[], bool] = True):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._file = None
-    if enabled:  # in a multi-process job only process 0 writes
-      os.makedirs(workdir, exist_ok=True)
-      self._file = open(self.path, "a", encoding="utf-8")
+    # In a multi-process job only the speaking process writes (``Job.speaker``): asked at
+    # each write, since it changes when that process is lost.
+    self._enabled = enabled if callable(enabled) else (lambda: enabled)
+    if self._enabled():
+      self._open()
+
+  def _open(self) -> None:
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    self._file = open(self.path, "a", encoding="utf-8")
 
   def write(self, record: dict[str, Any]) -> None:
-    if self._file is None:
+    if not self._enabled():
       return
+    if self._file is None:  # this process speaks now: its predecessor was lost
+      self._open()
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
 

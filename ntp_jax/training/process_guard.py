@@ -165,12 +165,13 @@ class ProcessGuard:
   def compile_seconds_of(self, step: int, plan: Plan, seconds: float
                          ) -> dict[int, float | None] | None:
     """Each live process's ``seconds`` (compile seconds of a recovery, to its first step
-    ``step`` on ``plan``), gathered by process 0 (``Arrival.report``; None for a peer lost
+    ``step`` on ``plan``), gathered by the lowest live one (``Arrival.report``; None for a peer lost
     or silent for 30 s); None on the other processes, and in a job that does not arrive."""
     if not self.arrives_at_start(plan):
       return None
     said = self.arrival.report("compile_s", step, repr(seconds),
-                               self.plan_processes(plan) - self.lost_processes)
+                               self.plan_processes(plan) - self.lost_processes,
+                               reader=min(self.live_processes()))
     if not said:
       return None
     return {p: None if v is None else float(v) for p, v in sorted(said.items())}
@@ -203,6 +204,7 @@ class ProcessGuard:
     are returned for the run to apply."""
     gone = self.devices_of(lost.processes)
     self.lost_devices |= gone
+    self.job.lost.update(lost.processes)  # the lowest live process speaks from now on
     events = [Event(step, True, "fail", r, s) for r, s in sorted(self.slots_of(gone, tp))
               if (r, s) not in failed]
     self.log(f"step {step}: {lost.message}; process {self.job.process_id} goes on without "

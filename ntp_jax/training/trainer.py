@@ -106,18 +106,12 @@ class TrainResult:
   dry_run: bool = False
 
 
-def _quiet(log):
-  """A logger for processes other than 0: only lines marked ``always``."""
-  def quiet(line: str, always: bool = False) -> None:
-    if always:
-      log(line)
-  return quiet
-
-
-def _logger(log):
-  """``log`` accepting the ``always`` keyword (process 0 prints every line)."""
+def _speaker_log(log, job: Job):
+  """``log`` for ``job``: the speaking process (``Job.speaker``: the lowest live one) prints
+  every line; the others only lines marked ``always``."""
   def logger(line: str, always: bool = False) -> None:
-    log(line)
+    if always or job.speaker:
+      log(line)
   return logger
 
 
@@ -205,8 +199,8 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   config = as_run_config(config)
   user_hooks = [as_hook(h) for h in hooks]
   job = join(config.distributed)  # several processes: jax.distributed first, before computing
-  # Process 0 speaks for the job; the others say only where they are.
-  log = _logger(log) if job.primary else _quiet(log)
+  # The lowest live process speaks for the job; the others say only where they are.
+  log = _speaker_log(log, job)
   model = model or load_model_spec(config.model.factory, config.source)
   optimizer = make_optimizer(config.train)
   plan_of = functools.partial(plan_for, config, model)
@@ -349,8 +343,11 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
          job: Job | None = None) -> TrainResult:
   """Programs and the loop of ``train`` from ``start``."""
   log(dataset.describe())
-  primary = jax.process_index() == 0  # process 0 writes the metrics, the events, the plot
-  writer = MetricsWriter(config.workdir, enabled=primary)
+  # The speaking process writes the metrics and events (the lowest live one: it changes
+  # when that one is lost), and TensorBoard's files (process 0 only).
+  primary = jax.process_index() == 0
+  writer = MetricsWriter(config.workdir,
+                         enabled=lambda: job is None or job.speaker)
   run = TrainingRun(config, model, optimizer=optimizer, devices=devices, dataset=dataset,
                     checkpoints=checkpoints, writer=writer, log=log, failed=start.failed,
                     hooks=default_hooks(config, log, writer, dataset, primary) + extra_hooks,
@@ -459,7 +456,7 @@ def finish(run: TrainingRun, config: RunConfig, log) -> None:
 def plot(run: TrainingRun, config: RunConfig, log) -> None:
   """``WORKDIR/goodput.png`` of the whole run, every session of ``metrics.jsonl``
   (``training.run_plot``), with ``train.plot`` (failures and repairs marked); none without."""
-  if run.records and config.train.plot and jax.process_index() == 0:
+  if run.records and config.train.plot and (run.job is None or run.job.speaker):
     path = os.path.join(config.workdir, "goodput.png")
     series = gather_series(run.writer.path)
     plot_series(series, path, run_title(config.workdir, config.source.model, series))
