@@ -8,9 +8,12 @@ started here runs under a timeout and is killed by id at the end.
 
 import json
 import os
+import random
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -153,42 +156,92 @@ def test_a_lost_process_leaves_a_just_in_time_checkpoint_and_a_smaller_restart_r
   _equal_losses(workdir, expected)
 
 
-def test_lost_processes_leave_their_replica_at_a_lower_degree_then_drop_it_compiled_ahead(
-    tmp_path):
+def _kill_when(launcher, lines, kills, rng):
+  """For each ``(process, step)`` of ``kills``: once process ``step``'s row is out, SIGKILL
+  ``process`` (found by its ``NTP_JAX_PROCESS_ID`` among the launcher's children) after a
+  delay drawn uniformly over the last step's time, so that it lands wherever the run is:
+  inside the next step (a phase of its collectives, a vote), or between steps."""
+  rows = {}
+  for process, step in kills:
+    deadline = time.monotonic() + 400
+    while step not in rows:
+      assert time.monotonic() < deadline and launcher.poll() is None, "\n".join(lines[-30:])
+      for at, line in list(lines):
+        found = re.match(r"^\[\d\] step +(\d+)/\d+ \| loss", line)
+        if found:
+          rows.setdefault(int(found.group(1)), at)
+      time.sleep(0.02)
+    step_s = rows[step] - rows.get(step - 1, rows[step] - 1.0)
+    time.sleep(rng.uniform(0.0, step_s))
+    os.kill(_child_of(launcher.pid, process), signal.SIGKILL)
+
+
+def _child_of(launcher: int, process: int) -> int:
+  """The pid of the launcher's child that is process ``process`` of the job."""
+  for entry in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        if int(f.read().rsplit(")", 1)[1].split()[1]) != launcher:
+          continue
+      with open(f"/proc/{entry}/environ", "rb") as f:
+        if f"{ENV_PROCESS_ID}={process}".encode() in f.read().split(b"\0"):
+          return int(entry)
+    except (OSError, ValueError, IndexError):
+      continue
+  raise LookupError(f"no process {process} under the launcher {launcher}")
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_processes_killed_from_outside_inside_steps_leave_their_replicas_at_a_lower_degree(
+    tmp_path, seed):
   """One process per device (4 x 1, TP groups over two processes each), recoverable mode,
-  compiling ahead: process 3 dies after step 4, so replica 1 trains on at TP degree 1
-  from process 2; process 2 dies after step 8, so replica 1 is dropped. The survivors
-  compile nothing on the way, redo only the step in flight, and with a constant global
-  batch train exactly as the healthy run does."""
+  compiling ahead: process 0 (the launcher hosts JAX's coordination service, so it is a
+  worker like any other) is SIGKILLed from outside at a random moment after step 4's row,
+  process 3 after step 8's: wherever each kill lands (inside a phase of a step's
+  collectives, a vote, between steps), every survivor throws the step in flight away, and
+  both replicas train on at TP degree 1. Nothing compiles on the way, and with a constant
+  global batch the job trains exactly as the healthy run does; process 1 speaks for it once
+  process 0 is gone."""
   constant = {"ntp.rebalance": "constant", "mesh.tp": 2}
   expected, _ = _reference(tmp_path, "one", **constant)
   workdir = tmp_path / "four"
   settings = {**BASE, **constant, "checkpoint.every": 0, "distributed.recoverable": True,
               "distributed.heartbeat_timeout_s": HEARTBEAT_S,
               "distributed.processes_per_domain": 2, "ntp.precompile": "next_failure"}
-  done = _launch(4, workdir, settings, launcher=["--run-on"],
-                 program="tests/programs/train_with_hooks.py",
-                 env={"NTP_JAX_DIE_AFTER": "3:4,2:8", "NTP_JAX_WAIT_FOR_AHEAD": "1"})
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-  # Only the two killed: the survivors leave the job in order (none aborts at its end).
-  said = [line for line in done.stderr.splitlines() if " exited with status " in line]
+  command = [sys.executable, "-m", "ntp_jax.launch", "--processes=4", "--run-on", "--",
+             *_args(workdir, settings, "tests/programs/train_with_hooks.py")]
+  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env=process_env(NTP_JAX_WAIT_FOR_AHEAD="1"))
+  lines: list = []
+  reader = threading.Thread(target=lambda: lines.extend(
+      (time.monotonic(), line.rstrip()) for line in launcher.stdout), daemon=True)
+  reader.start()
+  try:
+    _kill_when(launcher, lines, [(0, 4), (3, 8)], random.Random(seed))
+    status = launcher.wait(timeout=400)
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+      launcher.wait()
+  reader.join(timeout=10)
+  output = "\n".join(line for _, line in lines)
+  assert status == 0, output[-4000:]
+  said = [line for line in output.splitlines() if " exited with status " in line]
   assert said == [f"[launch] process {p} exited with status 137; the others run on"
-                  for p in (3, 2)], done.stderr[-3000:]
+                  for p in (0, 3)], output[-3000:]
   records = _equal_losses(workdir, expected)
+  lost = [(r["step"], r["processes"]) for r in records if r.get("event") == "process_lost"]
+  assert [p for _, p in lost] == [[0], [3]] and 5 <= lost[0][0] <= 6 and 9 <= lost[1][0] <= 10
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
-  assert degrees[4] == [2, 2] and degrees[5] == [2, 1] and degrees[8] == [2, 1]
-  assert degrees[9] == [2] and degrees[STEPS - 1] == [2]
-  lost = [r for r in records if r.get("event") == "process_lost"]
-  assert [(r["step"], r["processes"]) for r in lost] == [(5, [3]), (9, [2])]
+  assert degrees[lost[0][0] - 1] == [2, 2] and degrees[lost[0][0]] == [1, 2]
+  assert degrees[lost[1][0]] == [1, 1] and degrees[STEPS - 1] == [1, 1]
   recovered = [r for r in records if r.get("event") == "recovered"]
   assert [r["path"] for r in recovered] == ["live", "live"]
   for row in recovered:  # the moves across processes, the new classes' steps and sync
     assert row["compiled_ahead"] and row["compile_s"] == 0.0, row
-  # Every survivor of the plan says it compiled nothing on the way, not process 0 alone.
-  assert [r["compile_s_by_process"] for r in recovered] == [
-      [[0, 0.0], [1, 0.0], [2, 0.0]], [[0, 0.0], [1, 0.0]]]
-  assert recovered[0]["crossed_bytes"] > 0  # replica 1's lost slot came from replica 0
-  assert "redone: 2 step(s)" in done.stdout
+  assert [[p for p, _ in r["compile_s_by_process"]] for r in recovered] == [[1, 2, 3], [1, 2]]
+  assert "[1] redone: 2 step(s)" in output
   assert {r["global_batch"] for r in records if "global_batch" in r} == {16}
 
 
