@@ -5,7 +5,8 @@
 
 Each layout ``PxD`` runs gpt_tiny (dp=2 tp=4, ``distributed.recoverable``,
 ``ntp.rebalance=constant``, heartbeat 5 s, no periodic checkpoint, the plans
-one loss away compiled ahead) as P processes of D CPU devices under
+one loss away compiled ahead before each step: ``tests/programs/train_with_hooks.py``
+with ``NTP_JAX_WAIT_FOR_AHEAD=1``) as P processes of D CPU devices under
 ``python -m ntp_jax.launch --run-on``. A trial waits for step ``window[0]``'s row,
 then SIGKILLs one process chosen at random (``--victims any``: process 0
 among them) after a delay drawn uniformly over ``window`` steps' time, so the
@@ -80,11 +81,14 @@ def trial(layout: str, index: int, args, reference: dict[int, float], rng: rando
   extra = ["distributed.recoverable=True", f"distributed.heartbeat_timeout_s={HEARTBEAT_S}",
            f"distributed.processes_per_domain={max(1, 4 // per_process)}",
            "ntp.precompile=next_failure", *args.set]
+  # The test program's hook waits before each step for the compile ahead (the plans one loss
+  # away), as in a long run whose failures come long after it has finished.
+  program = ["tests/programs/train_with_hooks.py", *base_args(workdir, args.steps, extra)[1:]]
   command = [sys.executable, "-m", "ntp_jax.launch", f"--processes={processes}",
-             f"--devices-per-process={per_process}", "--run-on", "--",
-             sys.executable, *base_args(workdir, args.steps, extra)]
+             f"--devices-per-process={per_process}", "--run-on", "--", sys.executable, *program]
   launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env=dict(os.environ, NTP_JAX_WAIT_FOR_AHEAD="1"))
   lines: list[tuple[float, str]] = []
   reader = threading.Thread(target=lambda: lines.extend(
       (time.time(), line.rstrip()) for line in launcher.stdout), daemon=True)
