@@ -95,8 +95,8 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
       on without the failed processes); each process that ends with a non-zero status is
       said in one line. The launcher then hosts JAX's coordination service itself
       (``processes.service``), so that any process, process 0 included, can be lost; the
-      job's status is 0 when every process that was not lost (ended by a signal) ended
-      with 0.
+      job's status is that of the processes that ended last (they carried it to its end:
+      the first non-zero among them, else 0).
     port: the coordinator's port (default: a free one).
 
   Returns:
@@ -123,6 +123,7 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
     pump.start()
     pumps.append(pump)
   codes: dict[int, int] = {}  # exit status by process, in the order they ended
+  last_round: list[int] = []  # the processes that ended last (in one poll round)
   first_failed = None
   failed_at = None  # when the first process failed: the others' time runs from there
   try:
@@ -133,10 +134,11 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
               "failure)", file=sys.stderr, flush=True)
         _stop(children, running, grace_s)
         failed_at = float("inf")
-      for i in sorted(running):
+      ended = [i for i in sorted(running) if children[i].poll() is not None]
+      if ended:
+        last_round = ended
+      for i in ended:
         code = children[i].poll()
-        if code is None:
-          continue
         running.discard(i)
         codes[i] = code if code >= 0 else 128 - code
         if codes[i] != 0 and (first_failed is None or run_on):
@@ -163,9 +165,8 @@ def launch(command: list[str], processes: int, *, devices_per_process: int | Non
           "job again to resume from the last one", file=sys.stderr, flush=True)
   if first_failed is None:
     return 0
-  if run_on:  # the processes lost (ended by a signal) aside, every one must have ended well
-    kept = [c for _, c in sorted(codes.items()) if c < 128]
-    return next((c for c in kept if c != 0), 0) if kept else codes[first_failed]
+  if run_on:  # those that carried the job to its end: the last to end (in one poll round)
+    return next((codes[i] for i in last_round if codes[i] != 0), 0)
   return codes[first_failed]
 
 

@@ -1,5 +1,6 @@
 """``python -m ntp_jax.launch`` passes its processes' output through, less gloo's chatter."""
 
+import dataclasses
 import io
 import sys
 import time
@@ -47,7 +48,7 @@ def test_with_run_on_the_survivors_finish_and_their_status_is_the_jobs():
   assert launch([sys.executable, "-c", _SCRIPT, "end"], 2, run_on=True) == 0
 
 
-# Processes 2 and 3 fail at once, process 1 later; process 0's status ends the job.
+# Processes 2 and 3 fail at once, process 1 later; process 0 ends last: its status is the job's.
 _THREE_FAIL = ("import os, sys, time\n"
                "i = int(os.environ['NTP_JAX_PROCESS_ID'])\n"
                "time.sleep({0: 1.5, 1: 1.0}.get(i, 0))\n"
@@ -55,7 +56,7 @@ _THREE_FAIL = ("import os, sys, time\n"
 
 
 @pytest.mark.parametrize("last", [0, 5])
-def test_with_run_on_every_failure_is_said_and_process_0_ends_the_job(last, capsys):
+def test_with_run_on_every_failure_is_said_and_the_last_to_end_gives_the_status(last, capsys):
   from ntp_jax.launch import launch
   assert launch([sys.executable, "-c", _THREE_FAIL, str(last)], 4, run_on=True) == last
   said = [line for line in capsys.readouterr().err.splitlines() if "the others run on" in line]
@@ -139,3 +140,40 @@ def test_in_recoverable_mode_process_0_leaves_the_job_last(process, monkeypatch)
   client, heartbeat = _Client(), _Heartbeat(lost=())
   Job(process, 4, heartbeat, client=client, recoverable=False).finish()  # JAX's barrier
   assert heartbeat.stopped and client.calls == [] and shut == ([] if process == 0 else [2])
+
+
+def test_recoverable_cpu_collectives_are_bounded_from_the_heartbeat():
+  """A recoverable CPU job bounds gloo's waits (``--xla_cpu_collective_timeout_seconds``):
+  twice the heartbeat's timeout, at least 10 s, or ``distributed.collective_timeout_s``; a
+  bound already in ``XLA_FLAGS`` stands."""
+  from ntp_jax.processes.distributed import (
+    Settings,
+    collective_timeout_s,
+    cpu_collective_environment,
+  )
+  settings = Settings("127.0.0.1:1", 2, 0, heartbeat_timeout_s=4.0, processes_per_domain=1,
+                      recoverable=True)
+  assert collective_timeout_s(settings) == 10
+  assert collective_timeout_s(dataclasses.replace(settings, heartbeat_timeout_s=30.0)) == 60
+  assert collective_timeout_s(dataclasses.replace(settings, collective_timeout_s=2.5)) == 3
+  flags = cpu_collective_environment({"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+                                     settings)["XLA_FLAGS"].split()
+  assert flags == ["--xla_force_host_platform_device_count=4",
+                   "--xla_cpu_collective_timeout_seconds=10"]
+  assert cpu_collective_environment(
+      {"XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=99"}, settings) == {}
+
+
+def test_process_0_joins_an_outside_service_as_a_client_only():
+  """Inside ``no_service_in_process_0`` JAX's runtime starts no coordination service (the
+  launcher or ``python -m ntp_jax.coordinator`` hosts it); everything else is JAX's own."""
+  from jax._src import distributed as jax_distributed
+
+  from ntp_jax.processes.service import no_service_in_process_0
+  runtime = jax_distributed._jax
+  with no_service_in_process_0():
+    stand_in = jax_distributed._jax.get_distributed_runtime_service("[::]:1", 2)
+    stand_in.shutdown()  # nothing to end
+    assert jax_distributed._jax.get_distributed_runtime_client is (
+        runtime.get_distributed_runtime_client)
+  assert jax_distributed._jax is runtime
