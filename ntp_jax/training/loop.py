@@ -326,10 +326,11 @@ class TrainingRun:
                                self.config.train.seq_len, skip=self.cache.compiled_keys())
     for what, _, program in lowered:
       compiled = program.compile()
-      if what.endswith(UPDATE_SUFFIX) and collectives(compiled.as_text()):
+      found = collectives(compiled.as_text()) if what.endswith(UPDATE_SUFFIX) else []
+      if found:
         raise ConfigError(f"train: the optimizer's update holds collectives "
-                          f"({sorted({c.kind for c in collectives(compiled.as_text())})}), "
-                          "so a recoverable step cannot commit; use an elementwise optimizer")
+                          f"({sorted({c.kind for c in found})}), so a recoverable step cannot "
+                          "commit; use an elementwise optimizer")
 
   def _wait_for_compile_ahead(self, timeout_s: float | None) -> bool:
     return self.precompiler is None or self.precompiler.wait_idle(timeout=timeout_s)

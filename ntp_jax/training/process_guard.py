@@ -112,7 +112,7 @@ class ProcessGuard:
     last step that committed."""
     return (self.arrives_at_start(plan) and self.job.recoverable and zero is None)
 
-  def commit(self, step: int, plan: Plan, phase: str = "step",
+  def commit(self, step: int, plan: Plan, phase: str,
              error: BaseException | None = None) -> None:
     """Vote on ``phase`` of ``step`` once its collectives ended here (``error``: what one
     raised) and return when it ended so in every live process of ``plan``.
@@ -129,21 +129,19 @@ class ProcessGuard:
     votes = self.vote.decide(epoch, f"{step}/{phase}", participants, ok=error is None)
     if committed(votes):
       return
-    if votes[me] == LOST:
+    heartbeat = self.job.heartbeat
+    lost = frozenset({me}) if votes[me] == LOST else self.vote.agree_lost(
+        epoch, f"{step}/{phase}", participants, votes,
+        wait_s=heartbeat.timeout_s + 2 * heartbeat.interval_s)
+    if me in lost:  # it voted too late, or a peer's heartbeat lost it first
       raise ProcessStop(f"process {me} was taken for lost by its peers inside step {step} "
                         "(no heartbeat in time) and stops; they go on without it")
-    heartbeat = self.job.heartbeat
-    lost = self.vote.agree_lost(epoch, f"{step}/{phase}", participants, votes,
-                                wait_s=heartbeat.timeout_s + 2 * heartbeat.interval_s)
     if not lost:
       if error is not None:
         raise error
       raise RuntimeError(f"step {step}: a collective raised on process(es) "
                          f"{sorted(p for p, v in votes.items() if v != 'ok')}, and no process "
                          "was lost")
-    if me in lost:
-      raise ProcessStop(f"process {me} was taken for lost by a peer inside step {step} (no "
-                        "heartbeat in time) and stops; the others go on without it")
     heartbeat.lost_processes.update(lost)  # agreed: the heartbeat stops counting them down
     heartbeat.take_over()
     raised = sorted(p for p, v in votes.items() if v == "fail")
@@ -165,8 +163,9 @@ class ProcessGuard:
   def compile_seconds_of(self, step: int, plan: Plan, seconds: float
                          ) -> dict[int, float | None] | None:
     """Each live process's ``seconds`` (compile seconds of a recovery, to its first step
-    ``step`` on ``plan``), gathered by the lowest live one (``Arrival.report``; None for a peer lost
-    or silent for 30 s); None on the other processes, and in a job that does not arrive."""
+    ``step`` on ``plan``), gathered by the lowest live one (``Arrival.report``; None for a
+    peer lost or silent for 30 s); None on the other processes, and in a job that does not
+    arrive."""
     if not self.arrives_at_start(plan):
       return None
     said = self.arrival.report("compile_s", step, repr(seconds),
