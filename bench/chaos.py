@@ -38,6 +38,27 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEARTBEAT_S = 5
+RUNNING: list[subprocess.Popen] = []  # the launcher of the trial in progress
+
+
+def _stop_running(*_) -> None:
+  """The bench is stopped: so is the trial's job (its launcher's session), then the bench."""
+  for launcher in RUNNING:
+    stop_job(launcher)
+  sys.exit(1)
+
+
+def stop_job(launcher: subprocess.Popen) -> None:
+  """SIGKILL the launcher's children (each in a session of its own), then the launcher."""
+  for pid in children_by_process(launcher.pid).values():
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+  try:
+    os.killpg(launcher.pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
 
 
 def base_args(workdir: str, steps: int, extra: list[str]) -> list[str]:
@@ -89,6 +110,7 @@ def trial(layout: str, index: int, args, reference: dict[int, float], rng: rando
   launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
                               env=dict(os.environ, NTP_JAX_WAIT_FOR_AHEAD="1"))
+  RUNNING.append(launcher)  # stopped by id if this bench is stopped
   lines: list[tuple[float, str]] = []
   reader = threading.Thread(target=lambda: lines.extend(
       (time.time(), line.rstrip()) for line in launcher.stdout), daemon=True)
@@ -126,9 +148,10 @@ def trial(layout: str, index: int, args, reference: dict[int, float], rng: rando
   try:
     status = launcher.wait(timeout=max(1.0, deadline - time.time()))
   except subprocess.TimeoutExpired:
-    os.killpg(launcher.pid, signal.SIGKILL)
+    stop_job(launcher)
     status = "timeout"
   reader.join(timeout=5)
+  RUNNING.remove(launcher)
   out = {"layout": layout, "trial": index, "status": status,
          "victims": [v for v, _ in kills]}
   try:
@@ -168,6 +191,8 @@ def main() -> None:
   parser.add_argument("--workdir", default="/tmp/ntp_jax_chaos")
   args = parser.parse_args()
   args.window = tuple(int(v) for v in args.window.split(":"))
+  signal.signal(signal.SIGTERM, _stop_running)
+  signal.signal(signal.SIGINT, _stop_running)
   rng = random.Random(args.seed)
   ref_dir = os.path.join(args.workdir, "reference")
   subprocess.run(["rm", "-rf", ref_dir], check=True)
