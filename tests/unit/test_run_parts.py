@@ -3,6 +3,7 @@ over the other processes (arrival, a lost process taken over, the stop it ends i
 
 import dataclasses
 import functools
+import time
 
 import pytest
 from helpers import SMALL
@@ -158,8 +159,11 @@ def test_a_recoverable_guard_turns_a_lost_process_into_failures_of_its_slots():
   assert [(e.step, e.mid, e.kind, e.replica, e.slot) for e in failures] == [
       (5, True, "fail", 1, s) for s in (0, 1, 3)]
   assert guard.lost_processes == {1} and guard.live_processes() == {0}
-  assert events.rows == [("process_lost", {"step": 5, "processes": [1]})]
+  [(name, row)] = events.rows  # the row's time: when the loss was known
+  assert name == "process_lost" and row.pop("time") == pytest.approx(time.time(), abs=60)
+  assert row == {"step": 5, "processes": [1]}
   assert guard.arrival.epoch == 1 and "goes on without it" in logged[0]
+  assert guard.job.lost == {1} and guard.job.speaker  # process 0 still speaks for the job
 
 
 def test_a_guard_that_cannot_go_on_returns_the_stop_instead_of_ending_the_process():
@@ -171,3 +175,19 @@ def test_a_guard_that_cannot_go_on_returns_the_stop_instead_of_ending_the_proces
   assert stop.message == ("lost process 1 of 2; distributed.jit_checkpoint_s=0: no "
                           "just-in-time checkpoint; restart the job from its last checkpoint "
                           "(none written)")
+
+
+def test_the_lowest_live_process_speaks_for_the_job(tmp_path):
+  """Process 0 writes the metrics until it is lost; then the next live one appends to the same
+  file (``Job.speaker``, asked at every write)."""
+  from ntp_jax.training.metrics import MetricsWriter
+  assert Job(0, 3).speaker and not Job(1, 3).speaker
+  first, second = Job(0, 3), Job(1, 3)
+  writers = [MetricsWriter(str(tmp_path), enabled=lambda j=j: j.speaker) for j in (first, second)]
+  for writer in writers:
+    writer.write({"step": 0})
+  second.lost.add(0)  # process 0 is lost: process 1 speaks from now on
+  for writer in writers[1:]:
+    writer.write({"step": 1})
+  with open(tmp_path / "metrics.jsonl") as f:
+    assert f.read().splitlines() == ['{"step": 0}', '{"step": 1}']
