@@ -429,7 +429,7 @@ class TrainingRun:
       poison(state.programs, dead)
       source = PeerSource(state.programs, dead | self.guard.lost_devices,
                           devices=self.devices, cache=self.cache)
-      self.build(plan, source)
+      self._voted_move(lambda: self.build(plan, source))
     except LookupError as err:
       self.log(f"  live recovery impossible ({err}); restoring the last checkpoint instead")
       self.restart(plan)
@@ -448,6 +448,27 @@ class TrainingRun:
       across = f" ({source.crossed_bytes / 1e6:.2f} MB between processes)"
     self.log(f"  live: state moved from DP peers, {source.copied_bytes / 1e6:.2f} MB copied "
              f"between devices{across}, in {move_s:.2f} s")
+
+  def _voted_move(self, build: Callable[[], None]) -> None:
+    """``build()`` (the new plan's state moved from live peers), then, where the new plan's
+    steps commit, a vote that the move ended in every live process: its collectives cross
+    processes, and a peer lost inside them leaves the new state unusable.
+
+    Raises:
+      ProcessLost: a peer was lost during the move (agreed); the old programs are intact
+        (nothing of them is donated), ``process_lost`` starts again from them.
+    """
+    error = None
+    try:
+      build()
+      jax.block_until_ready([(p.params, p.opt_state) for p, local
+                             in zip(self.state.programs, self.state.job_step.local) if local])
+    except jax.errors.JaxRuntimeError as err:  # a collective of the move with a lost peer
+      error = err
+    if self.guard.commits(self.state.plan, self.zero):
+      self.guard.commit(self.state.step, self.state.plan, "move", error)
+    elif error is not None:
+      raise error
 
   def restart(self, plan: Plan) -> None:
     """The restart path: the new plan restored from the last complete checkpoint."""
@@ -586,8 +607,14 @@ class TrainingRun:
     if self.checkpoints is not None:
       self.checkpoints.restrict(live)
     # The old state on the live processes' replicas only: no move touches a lost process.
+    old = state.plan, state.programs, state.job_step
     state.programs = [p for p in (live_rows(p, live) for p in state.programs) if p is not None]
-    self.apply(events, lost.processes)
+    try:
+      self.apply(events, lost.processes)
+    except ProcessLost as again:  # another peer lost while the state moved: from the old state
+      state.plan, state.programs, state.job_step = old
+      self.log(f"step {state.step}: {again.message}; the move is started again")
+      self.process_lost(again)
 
   def events_before(self, step: int) -> list[Event]:
     """What the hooks report before ``step``: their events, and a ``DeviceFailure`` one
