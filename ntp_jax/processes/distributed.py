@@ -214,8 +214,11 @@ def initialize(settings: Settings) -> str | None:
   survivors have time for a just-in-time checkpoint before JAX ends them. With
   ``recoverable``, ``jax_enable_recoverability`` is set first: JAX then ends no
   survivor when it finds a process lost; on GPU the NCCL settings of JAX's
-  fault-tolerance guide too (``gpu_recovery_environment``), before the backend
-  reads them. Returns the line saying what it set, or None.
+  fault-tolerance guide too (``gpu_recovery_environment``), on CPU a bound on every
+  collective's wait (``collective_timeout_s``), before the backend reads them. With
+  ``external_service`` process 0 joins a coordination service that runs elsewhere
+  (``processes.service``) instead of starting one. Returns the line saying what it set,
+  or None.
 
   Raises:
     ConfigError: a setting that contradicts recoverable mode on GPU.
