@@ -196,6 +196,20 @@ def collective_timeout_s(settings: Settings) -> int:
   return max(10, math.ceil(2 * settings.heartbeat_timeout_s))
 
 
+def jax_heartbeat_s(settings: Settings) -> int:
+  """JAX's own heartbeat timeout (its service declares a silent process dead after it).
+
+  Well above ``heartbeat_timeout_s`` (3 x + 30 s), so that ours names a lost process first
+  and the survivors have time for a just-in-time checkpoint before JAX ends them; in a
+  recoverable GPU job JAX ends no survivor, and a collective with a dead peer is cancelled
+  only once JAX's service has declared that peer dead: there it is the collective bound of
+  a CPU job, ``collective_timeout_s`` (not measured: no GPU here).
+  """
+  if settings.recoverable and expects_gpu():
+    return collective_timeout_s(settings)
+  return int(3 * settings.heartbeat_timeout_s + 30)
+
+
 def cpu_collective_environment(environ: dict[str, str], settings: Settings) -> dict[str, str]:
   """``XLA_FLAGS`` with the collective bound of ``collective_timeout_s`` added (kept when
   already given)."""
@@ -240,7 +254,7 @@ def initialize(settings: Settings) -> str | None:
   with no_service_in_process_0() if settings.external_service else contextlib.nullcontext():
     jax.distributed.initialize(
         settings.coordinator, settings.num_processes, settings.process_id,
-        heartbeat_timeout_seconds=int(3 * settings.heartbeat_timeout_s + 30))
+        heartbeat_timeout_seconds=jax_heartbeat_s(settings))
   return note
 
 

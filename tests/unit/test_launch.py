@@ -177,3 +177,16 @@ def test_process_0_joins_an_outside_service_as_a_client_only():
     assert jax_distributed._jax.get_distributed_runtime_client is (
         runtime.get_distributed_runtime_client)
   assert jax_distributed._jax is runtime
+
+
+def test_jax_heartbeat_is_ours_with_room_except_in_a_recoverable_gpu_job(monkeypatch):
+  """JAX's heartbeat speaks after ours (3 x + 30 s); in a recoverable GPU job it is the
+  collective bound, after which a collective with a dead peer is cancelled."""
+  from ntp_jax.processes.distributed import Settings, jax_heartbeat_s
+  settings = Settings("127.0.0.1:1", 2, 0, heartbeat_timeout_s=5.0, processes_per_domain=1,
+                      recoverable=True)
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert jax_heartbeat_s(settings) == 45
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+  assert jax_heartbeat_s(settings) == 10
+  assert jax_heartbeat_s(dataclasses.replace(settings, recoverable=False)) == 45
