@@ -351,7 +351,7 @@ def _takeover_s(settings: Settings) -> float:
   (between steps it is waiting at an arrival), and in a recoverable job also the bound of
   the collective it may be held in (``collective_timeout_s``), after which its step raises."""
   base = settings.heartbeat_timeout_s / 3 + 1.0
-  if settings.recoverable and not expects_gpu():
+  if settings.recoverable:  # on GPU, JAX's heartbeat cancels it after as long
     return base + collective_timeout_s(settings)
   return base
 
