@@ -137,6 +137,7 @@ def trial(layout: str, index: int, args, reference: dict[int, float], rng: rando
     victim = rng.choice(candidates)
     os.kill(pids[victim], signal.SIGKILL)
     kills.append((victim, time.time()))
+    lines.append((kills[-1][1], f"[bench] SIGKILL process {victim}"))
     if args.pair:  # a process of the other replica, 1 s later
       time.sleep(1.0)
       per_replica = max(1, 4 // per_process)
@@ -152,6 +153,9 @@ def trial(layout: str, index: int, args, reference: dict[int, float], rng: rando
     status = "timeout"
   reader.join(timeout=5)
   RUNNING.remove(launcher)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "output.log"), "w") as f:  # the whole job's output
+    f.write("\n".join(f"{at:.3f} {line}" for at, line in lines) + "\n")
   out = {"layout": layout, "trial": index, "status": status,
          "victims": [v for v, _ in kills]}
   try:
