@@ -17,7 +17,8 @@ from flax import nnx
 from ntp_jax.layers.params import TPParam
 
 
-def logical_norm(grads: nnx.State, replicas: int = 1, *, stacked: bool = False) -> jax.Array:
+def logical_norm(grads: nnx.State, replicas: int = 1, *, stacked: bool = False,
+                 per_replica: bool = False) -> jax.Array:
   """L2 norm of the logical gradient: each logical element counted once.
 
   Args:
@@ -25,6 +26,9 @@ def logical_norm(grads: nnx.State, replicas: int = 1, *, stacked: bool = False) 
       replica-stacked (every replica's copy equal).
     replicas: length of the leading replica axis when ``stacked``.
     stacked: whether leaves carry a leading replica axis.
+    per_replica: (stacked) each replica's copy's norm, f32 ``[replicas]``, all equal:
+      summed within each replica only, so a class program that computes it runs no
+      collective across replicas.
 
   Shared units (``Layout.shared_units``) are held by every slot; their
   squares are divided by the TP degree so they count once.
@@ -41,13 +45,24 @@ def logical_norm(grads: nnx.State, replicas: int = 1, *, stacked: bool = False) 
       shape[axis] = layout.block
       shared = jnp.arange(layout.block) >= layout.own_size
       squares = squares * jnp.where(shared, 1.0 / layout.degree, 1.0).reshape(shape)
-    total = total + jnp.sum(squares)
+    total = total + (jnp.sum(squares, axis=tuple(range(1, g.ndim))) if per_replica
+                     else jnp.sum(squares))
+  if per_replica:
+    return jnp.sqrt(total)
   return jnp.sqrt(total / (replicas if stacked else 1))
 
 
 def clip_by_logical_norm(grads: nnx.State, norm: jax.Array, clip_norm: float) -> nnx.State:
-  """Scale ``grads`` by ``clip_norm / norm`` when ``norm > clip_norm`` (0 disables)."""
+  """Scale ``grads`` by ``clip_norm / norm`` when ``norm > clip_norm`` (0 disables).
+
+  ``norm``: a scalar, or f32 ``[replicas]`` (``logical_norm(per_replica=True)``) for
+  replica-stacked ``grads``, each replica scaled by its own.
+  """
   if not clip_norm:
     return grads
   scale = jnp.where(norm > clip_norm, clip_norm / norm, 1.0)
-  return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+
+  def clip(g):
+    by_row = scale.reshape(scale.shape + (1,) * (g.ndim - scale.ndim))
+    return (g * by_row).astype(g.dtype)
+  return jax.tree.map(clip, grads)

@@ -352,7 +352,9 @@ class JobStep:
         grads, class_metrics = out
         program.params, program.opt_state = program.step.apply_grads(
             program.params, program.opt_state, grads, class_metrics["grad_norm"])
-        metrics = metrics or class_metrics
+        # Every replica read the same values: one of this process's rows gives them.
+        metrics = metrics or {name: np.asarray(value.addressable_shards[0].data)[0]
+                              for name, value in class_metrics.items()}
     return metrics
 
   def _voted(self, phase: str, run: Callable[[], Any]) -> Any:
@@ -370,7 +372,7 @@ class JobStep:
   def __call__(self, batch: Any) -> dict[str, jax.Array]:
     """``batch``: int32 ``[plan.global_batch, seq + 1]`` rows in class order (or a lazy
     ``loop.DatasetRows``); returns the job's ``loss`` and ``grad_norm``, replicated over a
-    class mesh this process holds."""
+    class mesh this process holds (steps that commit: f32 numpy scalars, read here)."""
     if self.zero is not None:
       return self._sharded_step(batch)
     if self.commit is not None:

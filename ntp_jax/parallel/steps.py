@@ -40,6 +40,7 @@ from ntp_jax.parallel.grad_norm import clip_by_logical_norm, logical_norm
 from ntp_jax.parallel.master_weights import needs_master
 from ntp_jax.parallel.regroup import Regroup
 from ntp_jax.parallel.sync import (
+  LOSS_DTYPE,
   from_sync_blocks,
   pack_buffers,
   synced_loss,
@@ -304,8 +305,9 @@ class SplitStep:
       ``zero_survivors``), nothing donated; one jitted program per mesh.
     finish: jitted ``(buffers, params) -> (grads, metrics)``: the update half's collectives
       alone, for steps that commit (``processes.commit``): the synced buffers
-      back in the class layout, and the job's ``loss`` and ``grad_norm`` (f32, replicated
-      over the class mesh); ``params`` gives the layout and is not donated.
+      back in the class layout, and the job's ``loss`` and ``grad_norm`` as each replica
+      reads them (f32 ``[replicas]``, ``P('dp')``, all equal), with no collective across
+      replicas; ``params`` gives the layout and is not donated.
     apply_grads: jitted ``(params, opt_state, grads, grad_norm) -> (params, opt_state)``:
       the rest of the update half, state donated; it runs no collective
       for an elementwise optimizer (``parallel.commit_check`` checks the compiled program).
@@ -400,14 +402,17 @@ class SplitStep:
 
     def finish(buffers, params):
       grads = restore(buffers, params)
-      norm = logical_norm(grads, mesh.devices.shape[0], stacked=True)
-      return grads, {"loss": synced_loss(buffers), "grad_norm": norm}
+      # Each replica's own: no collective across replicas (a peer lost in one would leave
+      # another replica's collectives half-entered; job_step._committed_step).
+      norm = logical_norm(grads, stacked=True, per_replica=True)
+      return grads, {"loss": buffers[LOSS_DTYPE][:, 0, -1], "grad_norm": norm}
 
-    metric_shardings = {"loss": replicated, "grad_norm": replicated}
+    by_replica = NamedSharding(mesh, P(DP))
+    metric_shardings = {"loss": by_replica, "grad_norm": by_replica}
     finish_fn = jax.jit(finish, out_shardings=(shardings, metric_shardings))
     apply_grads = jax.jit(_apply_clipped(settings.optimizer, settings.clip_norm),
                           donate_argnums=(0, 1), in_shardings=(
-                              shardings, opt_shardings, shardings, replicated),
+                              shardings, opt_shardings, shardings, by_replica),
                           out_shardings=(shardings, opt_shardings))
     return cls(grad=grad_fn, micro_grad=micro_grad, update=update_fn,
                evaluate=jax.jit(make_eval_loss(graphdef, params, mesh, settings.loss)),
@@ -440,7 +445,8 @@ class SplitStep:
     grads, metrics = jax.eval_shape(self.finish, blocks, params)
     grads = jax.tree.map(lambda g, p: jax.ShapeDtypeStruct(g.shape, g.dtype,
                                                            sharding=p.sharding), grads, params)
-    norm = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(self.mesh, P()))
+    norm = jax.ShapeDtypeStruct(metrics["grad_norm"].shape, jnp.float32,
+                                sharding=NamedSharding(self.mesh, P(DP)))
     return [self.grad.lower(params, batch), self.finish.lower(blocks, params),
             self.apply_grads.lower(params, opt_state, grads, norm)]
 
