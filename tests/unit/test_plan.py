@@ -148,6 +148,15 @@ def test_logical_norm_counts_each_element_once():
   np.testing.assert_array_equal(same["kernel"][...], small["kernel"][...])
   halved = clip_by_logical_norm(small, norm, 0.4)
   np.testing.assert_allclose(halved["norm"][...], small["norm"][...] / 2, rtol=1e-6)
+  # Each replica's own norm (steps that commit: no sum across replicas), and each replica
+  # clipped by its own: the same as the whole stack clipped by the one norm.
+  stacked = stack_replicas(small, 3)
+  rows = logical_norm(stacked, stacked=True, per_replica=True)
+  np.testing.assert_allclose(rows, [0.8] * 3, rtol=1e-6)
+  by_rows = clip_by_logical_norm(stacked, rows, 0.4)
+  whole = clip_by_logical_norm(stacked, logical_norm(stacked, 3, stacked=True), 0.4)
+  for name in ("norm", "kernel"):
+    np.testing.assert_allclose(by_rows[name][...], whole[name][...], rtol=1e-6)
 
 
 def test_logical_norm_counts_shared_units_once():
