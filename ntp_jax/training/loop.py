@@ -603,6 +603,7 @@ class TrainingRun:
       raise self.guard.stop(lost, state.just_in_time(self.config.to_json_dict()),
                             self.checkpoints)
     events = self.guard.take_loss(lost, state.step, state.plan.tp, state.failed)
+    self.guard.recovery_starts()
     live = self.guard.live_processes()
     if self.checkpoints is not None:
       self.checkpoints.restrict(live)

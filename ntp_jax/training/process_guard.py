@@ -180,6 +180,13 @@ class ProcessGuard:
     if self.arrival is not None and compiles:
       self.job.heartbeat.takeover_s = max(self.takeover_base_s, COMPILE_TAKEOVER_S)
 
+  def recovery_starts(self) -> None:
+    """A loss found while the state moves onto a new plan is taken over when the move has
+    failed and voted (steps that commit): its programs may compile, and each of its
+    collectives with the lost peer waits for the collective bound. Allow for that, as for a
+    compile (the next step's end sets it back)."""
+    self.step_starts(compiles=True)
+
   def step_ended(self, elapsed_s: float, compiled: bool) -> None:
     """A loss found mid-step is taken over at the next arrival: allow a few steps' time (a
     step that compiled says nothing of the next one's)."""
