@@ -11,7 +11,8 @@ with ``NTP_JAX_WAIT_FOR_AHEAD=1``) as P processes of D CPU devices under
 then SIGKILLs one process chosen at random (``--victims any``: process 0
 among them) after a delay drawn uniformly over ``window`` steps' time, so the
 kill lands inside a step, its votes, a recovery or between steps as chance
-has it. ``--pair``: a second process of the other replica 1 s later.
+has it. ``--pair``: a second process, of the other replica and holding other slots (so
+every shard unit keeps a live copy), 1 s later.
 
 Per trial it prints: survived (every step 0..steps-1 has a loss, the job
 exits 0, and the losses equal the healthy one-process run's to 1e-5
@@ -138,10 +139,13 @@ def trial(layout: str, index: int, args, reference: dict[int, float], rng: rando
     os.kill(pids[victim], signal.SIGKILL)
     kills.append((victim, time.time()))
     lines.append((kills[-1][1], f"[bench] SIGKILL process {victim}"))
-    if args.pair:  # a process of the other replica, 1 s later
+    if args.pair:  # a process of the other replica, holding other slots, 1 s later
       time.sleep(1.0)
       per_replica = max(1, 4 // per_process)
-      others = [p for p in candidates if p // per_replica != victim // per_replica]
+      # Other slots: every shard unit keeps a live copy (with the same slots of both
+      # replicas gone, only a checkpoint holds their units).
+      others = [p for p in candidates if p // per_replica != victim // per_replica
+                and p % per_replica != victim % per_replica]
       if others:
         second = rng.choice(others)
         os.kill(pids[second], signal.SIGKILL)
