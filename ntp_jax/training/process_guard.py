@@ -25,7 +25,7 @@ import jax
 
 from ntp_jax.parallel.plan import Plan
 from ntp_jax.processes.arrival import Arrival, ProcessLost
-from ntp_jax.processes.commit import LOST, StepVote, committed
+from ntp_jax.processes.commit import FAIL, LOST, OK, StepVote, committed
 from ntp_jax.processes.distributed import Job
 from ntp_jax.processes.heartbeat import LOST_EXIT_CODE, end_process
 from ntp_jax.resilience.events import Event
@@ -140,11 +140,11 @@ class ProcessGuard:
       if error is not None:
         raise error
       raise RuntimeError(f"step {step}: a collective raised on process(es) "
-                         f"{sorted(p for p, v in votes.items() if v != 'ok')}, and no process "
+                         f"{sorted(p for p, v in votes.items() if v != OK)}, and no process "
                          "was lost")
     heartbeat.lost_processes.update(lost)  # agreed: the heartbeat stops counting them down
     heartbeat.take_over()
-    raised = sorted(p for p, v in votes.items() if v == "fail")
+    raised = sorted(p for p, v in votes.items() if v == FAIL)
     raise ProcessLost(lost, step, (
         f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, sorted(lost)))} of "
         f"{self.job.num_processes} inside step {step} ({phase} phase; its collectives "
