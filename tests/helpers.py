@@ -75,9 +75,18 @@ SMALL = GPTConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=16, n_kv_heads=
 SEQ = 6
 
 
+def _raise_or_pass(phase, error):
+  """A commit vote of one process: a phase passes unless its collectives raised."""
+  if error is not None:
+    raise error
+
+
 def run_job(*, tp, dp, failed="", rebalance="equal", slot_weights="", batch_size=4, steps=3,
-            optimizer=None, clip_norm=1.0, cfg=SMALL, seed=0, microbatches=1):
-  """Returns (losses, plan, [logical params of every live replica], [opt states])."""
+            optimizer=None, clip_norm=1.0, cfg=SMALL, seed=0, microbatches=1, commit=False):
+  """Returns (losses, plan, [logical params of every live replica], [opt states]).
+
+  ``commit``: the steps of a recoverable multi-process job (``JobStep``'s ``commit``: the
+  split programs, ``SplitStep.finish`` and ``apply_grads``), its votes passing at once."""
   plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp,
                    failed=parse_failed(failed, dp, tp),
                    slot_weights=parse_weights(slot_weights, tp), batch_size=batch_size,
@@ -88,8 +97,8 @@ def run_job(*, tp, dp, failed="", rebalance="equal", slot_weights="", batch_size
                                        optax.sgd(0.3, momentum=0.9))
   programs = build_class_programs(plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(seed)),
                                   optimizer, clip_norm, plan.global_batch * SEQ,
-                                  jax.devices()[:tp * dp])
-  job = JobStep(plan, programs)
+                                  jax.devices()[:tp * dp], split=commit)
+  job = JobStep(plan, programs, split=commit, commit=_raise_or_pass if commit else None)
   losses = []
   for step in range(steps):
     losses.append(float(job(global_batch(plan.global_batch, step, cfg))["loss"]))

@@ -341,8 +341,8 @@ class JobStep:
     its communicator, and XLA's CPU backend keeps a communicator per set of devices for the
     life of the process, so the next plan would meet it again.
     """
-    grads = self._voted("grad", lambda: self._gradient_buffers(batch))
-    synced = self._voted("sync", lambda: self.sync(grads))
+    buffers = self._voted("grad", lambda: self._gradient_buffers(batch))
+    synced = self._voted("sync", lambda: self.sync(buffers))
     finished = self._voted("finish", lambda: [
         program.step.finish(buffers, program.params) if local else None
         for program, local, buffers in zip(self.programs, self.local, synced)])

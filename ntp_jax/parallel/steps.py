@@ -40,7 +40,6 @@ from ntp_jax.parallel.grad_norm import clip_by_logical_norm, logical_norm
 from ntp_jax.parallel.master_weights import needs_master
 from ntp_jax.parallel.regroup import Regroup
 from ntp_jax.parallel.sync import (
-  LOSS_DTYPE,
   from_sync_blocks,
   pack_buffers,
   synced_loss,
@@ -309,8 +308,8 @@ class SplitStep:
       reads them (f32 ``[replicas]``, ``P('dp')``, all equal), with no collective across
       replicas; ``params`` gives the layout and is not donated.
     apply_grads: jitted ``(params, opt_state, grads, grad_norm) -> (params, opt_state)``:
-      the rest of the update half, state donated; it runs no collective
-      for an elementwise optimizer (``parallel.commit_check`` checks the compiled program).
+      the rest of the update half, state donated; it runs no collective for an elementwise
+      optimizer (``TrainingRun._compile_before_arriving`` checks the compiled program).
   """
 
   grad: Callable[..., Any]
@@ -405,7 +404,7 @@ class SplitStep:
       # Each replica's own: no collective across replicas (a peer lost in one would leave
       # another replica's collectives half-entered; job_step._committed_step).
       norm = logical_norm(grads, stacked=True, per_replica=True)
-      return grads, {"loss": buffers[LOSS_DTYPE][:, 0, -1], "grad_norm": norm}
+      return grads, {"loss": synced_loss(buffers, per_replica=True), "grad_norm": norm}
 
     by_replica = NamedSharding(mesh, P(DP))
     metric_shardings = {"loss": by_replica, "grad_norm": by_replica}

@@ -137,10 +137,11 @@ def unpack_buffers(buffers: dict[str, jax.Array], leaves: Sequence[SyncLeaf]) ->
   return out
 
 
-def synced_loss(buffers: dict[str, jax.Array]) -> jax.Array:
+def synced_loss(buffers: dict[str, jax.Array], per_replica: bool = False) -> jax.Array:
   """The job's loss from a class's synced buffers (``[replicas, degree, L]``): any core
-  position holds the sum over every live replica."""
-  return buffers[LOSS_DTYPE][0, 0, -1]
+  position holds the sum over every live replica. ``per_replica``: f32 ``[replicas]``, each
+  replica's own reading (all equal; no value crosses replicas)."""
+  return buffers[LOSS_DTYPE][:, 0, -1] if per_replica else buffers[LOSS_DTYPE][0, 0, -1]
 
 
 @dataclasses.dataclass(frozen=True)

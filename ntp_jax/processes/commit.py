@@ -7,14 +7,15 @@ happened is decided by agreement after its collectives, not by whether this
 process's collectives raised. ``StepVote`` is that agreement, over the
 coordination service's key-value store:
 
-- after the step's last collective across processes, each participant writes
-  its vote for ``(epoch, step)``: ``ok`` when its collectives completed,
+- after each phase of a step's collectives across processes (its gradients,
+  the sync, the finish; the move onto a new plan), each participant writes its
+  vote for ``(epoch, step, phase)``: ``ok`` when its collectives completed,
   ``fail`` when one raised;
 - a participant the heartbeat declares lost before voting gets ``lost``
   written in its place;
 - every vote is written once (the store refuses a second write of a key), so
-  every process reads the same votes, whoever wrote them: the step commits
-  (its update runs) exactly when all of them are ``ok``;
+  every process reads the same votes, whoever wrote them: the phase passes
+  exactly when all of them are ``ok``, and the update runs after the last;
 - a step that does not commit is thrown away by every survivor, and the
   processes lost in it are agreed the same way (the first proposal written
   stands), so every survivor moves onto the same plan.
@@ -41,7 +42,7 @@ class StepVote:
 
   Args:
     client: the ``jax.distributed`` key-value client (``key_value_set`` with
-      ``allow_overwrite``, ``blocking_key_value_get``, ``key_value_try_get``).
+      ``allow_overwrite``, ``blocking_key_value_get``, ``key_value_delete``).
     process_id: this process.
     heartbeat: the job's ``Heartbeat``: who is lost (``lost_processes``).
     poll_s: how long one wait for a peer's vote lasts before the heartbeat is asked.
@@ -60,15 +61,14 @@ class StepVote:
     except Exception:  # written first by another process: its value stands
       return self.client.blocking_key_value_get(key, 60_000)
 
-  def decide(self, epoch: int, point: str, participants: Collection[int], ok: bool,
-             ) -> dict:
+  def decide(self, epoch: int, point: str, participants: Collection[int], ok: bool) -> dict:
     """Vote ``ok`` (this process's collectives up to ``point``, e.g. ``"12/sync"``, ended
     well) and wait for every participant's vote, or for the heartbeat to declare it lost
     (``lost`` is then its vote).
 
     Returns:
       ``process -> vote`` (``"ok"``, ``"fail"`` or ``"lost"``), the same in every process
-      that returns; the step commits when every vote is ``"ok"`` (``committed``).
+      that returns; the phase passes when every vote is ``"ok"`` (``committed``).
     """
     prefix = f"{VOTE_PREFIX}/{epoch}/{point}"
     self._mine.append(f"{prefix}/{self.process_id}")

@@ -4,6 +4,7 @@ Parity of whole runs with a single device, proportional shares, slot weights, th
 plans and the optimizer state of every replica are in ``tests/plans/test_replica_plans.py``;
 degrees up to 8 + 5 and three replicas in ``tests/system/test_mixed_degrees.py``."""
 
+import numpy as np
 import optax
 import pytest
 from helpers import assert_trees_close, run_job
@@ -39,3 +40,16 @@ def check_synced_gradients(dense_sgd_step, failed, degrees):
 def _minus(a, b):
   import jax
   return jax.tree.map(lambda x, y: x - y, a, b)
+
+
+@pytest.mark.parametrize("failed", ["", "1:2"])
+def test_steps_that_commit_train_as_the_plain_step(failed):
+  """The committed step (gradients, sync, ``finish`` with each replica's own norm and loss,
+  then ``apply_grads``) against the fused or split step, on a healthy plan (one class) and
+  an uneven mixed-degree one, with a clip that binds: the same losses and parameters."""
+  kwargs = dict(tp=4, dp=2, failed=failed, steps=3, clip_norm=0.05)
+  losses, _, params, _ = run_job(**kwargs)
+  committed, _, committed_params, _ = run_job(**kwargs, commit=True)
+  np.testing.assert_allclose(committed, losses, rtol=1e-6)
+  for a, b in zip(committed_params, params):
+    assert_trees_close(a, b)
