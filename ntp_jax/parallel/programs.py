@@ -466,19 +466,27 @@ def logical_state(programs: list[ClassProgram], cache: ProgramCache | None = Non
                       cache=cache)
 
 
-def live_rows(program: ClassProgram, processes: Collection[int], *,
+def live_rows(program: ClassProgram, processes: Collection[int], *, partial: bool = False,
               shapes_only: bool = False) -> ClassProgram | None:
   """``program``'s state cut to the replicas whose devices all belong to ``processes`` (the
   live ones), on a mesh of those rows only: no program run on it touches a lost process.
   None when no replica is left. The step is dropped (the state is for moving, not training).
+
+  ``partial``: the replicas with at least one device in ``processes`` are kept too. For a
+  live move, which reads single devices' buffers and never a lost one (the caller counts the
+  lost processes' devices as dead): two replicas each missing different slots hold every
+  unit between them.
 
   Each array keeps its sharding's spec; a replica-stacked leaf keeps the rows' blocks, a
   replicated one its copies; nothing is copied. Abstract where another process holds the
   rows, and everywhere with ``shapes_only`` (``jax.ShapeDtypeStruct``s with the cut
   shardings: for lowering the moves of a loss ahead of it, no buffer touched).
   """
-  return keep_rows(program, [r for r, row in enumerate(program.mesh.devices)
-                             if processes_of(row) <= set(processes)], shapes_only=shapes_only)
+  live = set(processes)
+  kept = (lambda row: processes_of(row) & live) if partial else (
+      lambda row: processes_of(row) <= live)
+  return keep_rows(program, [r for r, row in enumerate(program.mesh.devices) if kept(row)],
+                   shapes_only=shapes_only)
 
 
 def keep_rows(program: ClassProgram, rows: Sequence[int], *,

@@ -282,7 +282,8 @@ class TrainingRun:
       if process is not None:  # as process_lost: the old state on the live processes' rows
         dead |= self.guard.devices_of({process})
         live = self.guard.live_processes() - {process}
-        programs = [p for p in (live_rows(p, live, shapes_only=True) for p in programs)
+        programs = [p for p in (live_rows(p, live, partial=self.zero is None,
+                                          shapes_only=True) for p in programs)
                     if p is not None]
       lower = functools.partial(self._programs_ahead, plan, programs, frozenset(dead))
       if process is not None and self.zero is not None:  # first the survivors' read-back
@@ -607,13 +608,17 @@ class TrainingRun:
     live = self.guard.live_processes()
     if self.checkpoints is not None:
       self.checkpoints.restrict(live)
-    # The old state on the live processes' replicas only: no move touches a lost process.
+    # The old state on the replicas with a live process (a sharded optimizer state: whole
+    # replicas only); the move reads no lost device.
     old = state.plan, state.programs, state.job_step
-    state.programs = [p for p in (live_rows(p, live) for p in state.programs) if p is not None]
+    state.programs = [p for p in (live_rows(p, live, partial=self.zero is None)
+                                  for p in state.programs) if p is not None]
     try:
       self.apply(events, lost.processes)
     except ProcessLost as again:  # another peer lost while the state moved: from the old state
       state.plan, state.programs, state.job_step = old
+      if self.recoveries.pending is not None:
+        self.recoveries.pending.path = "interrupted"
       self.log(f"step {state.step}: {again.message}; the move is started again")
       self.process_lost(again)
 

@@ -24,8 +24,9 @@ class RecoveryRecord:
     plan_s: planning the new job. wait_s: waiting for a compile ahead of this plan.
     ahead: the new plan's programs were compiled ahead (``ntp.precompile``).
     cut: the failure came inside a step, which is redone.
-    path: ``"live"`` (from DP peers) or ``"restart"`` (from the last checkpoint); None
-      until one is taken.
+    path: ``"live"`` (from DP peers), ``"restart"`` (from the last checkpoint) or
+      ``"interrupted"`` (a peer lost during the move: the next recovery starts again from
+      the old state); None until one is taken.
     seconds: from the failure to the state on the new plan. move_s: the move (or restore)
       and building the new plan's class programs. transfer_s: of that, the state's own move
       (live), until its arrays were ready.

@@ -156,13 +156,19 @@ def test_a_lost_process_leaves_a_just_in_time_checkpoint_and_a_smaller_restart_r
   _equal_losses(workdir, expected)
 
 
-def _kill_when(launcher, lines, kills, rng):
+def _kill_when(launcher, lines, kills, rng, apart_s=None):
   """For each ``(process, step)`` of ``kills``: once step ``step``'s row is out, SIGKILL
   ``process`` (found by its ``NTP_JAX_PROCESS_ID`` among the launcher's children) after a
   delay drawn uniformly over a steady step's time, so that it lands wherever the run is:
-  inside the next step (a phase of its collectives, a vote), or between steps."""
+  inside the next step (a phase of its collectives, a vote), or between steps.
+  ``apart_s``: each kill after the first comes that many seconds after the one before
+  instead (its step is not waited for)."""
   rows = {}
-  for process, step in kills:
+  for n, (process, step) in enumerate(kills):
+    if apart_s is not None and n > 0:
+      time.sleep(apart_s)
+      os.kill(_child_of(launcher.pid, process), signal.SIGKILL)
+      continue
     deadline = time.monotonic() + 400
     while step not in rows:
       assert time.monotonic() < deadline and launcher.poll() is None, "\n".join(lines[-30:])
@@ -249,6 +255,53 @@ def test_processes_killed_from_outside_inside_steps_leave_their_replicas_at_a_lo
   assert [[p for p, _ in r["compile_s_by_process"]] for r in recovered] == [[1, 2, 3], [1, 2]]
   assert "[1] redone: 2 step(s)" in output
   assert {r["global_batch"] for r in records if "global_batch" in r} == {16}
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_two_processes_of_different_replicas_killed_a_second_apart_are_survived_live(
+    tmp_path, seed):
+  """4 x 1 as above: process 0 (replica 0's slot 0) is SIGKILLed at a random moment after
+  step 4's row, process 3 (replica 1's slot 1) one second later, before the first loss is
+  known. No replica is left whole, but every shard unit has a live copy (process 1 holds
+  replica 0's slot 1, process 2 replica 1's slot 0): the state moves live from the two
+  partial replicas, both replicas train on at TP degree 1, and the losses are the healthy
+  run's."""
+  steps = 14
+  constant = {"ntp.rebalance": "constant", "mesh.tp": 2, "train.steps": steps}
+  expected, _ = _reference(tmp_path, "one", **constant)
+  workdir = tmp_path / "four"
+  settings = {**BASE, **constant, "checkpoint.every": 0, "distributed.recoverable": True,
+              "distributed.heartbeat_timeout_s": HEARTBEAT_S,
+              "distributed.processes_per_domain": 2}
+  command = [sys.executable, "-m", "ntp_jax.launch", "--processes=4", "--run-on", "--",
+             *_args(workdir, settings, "tests/programs/train_with_hooks.py")]
+  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env=process_env())
+  lines: list = []
+  reader = threading.Thread(target=lambda: lines.extend(
+      (time.monotonic(), line.rstrip()) for line in launcher.stdout), daemon=True)
+  reader.start()
+  try:
+    _kill_when(launcher, lines, [(0, 4), (3, 4)], random.Random(seed), apart_s=1.0)
+    status = launcher.wait(timeout=400)
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+      launcher.wait()
+  reader.join(timeout=10)
+  output = "\n".join(line for _, line in lines)
+  assert status == 0, output[-4000:]
+  records = _equal_losses(workdir, expected, steps=steps)
+  lost = [p for r in records if r.get("event") == "process_lost" for p in r["processes"]]
+  assert sorted(lost) == [0, 3], output[-3000:]
+  degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
+  assert degrees[steps - 1] == [1, 1]
+  # The last recovery moved the state live (one before it may have been interrupted by the
+  # second loss and started again from the old state).
+  paths = [r.get("path") for r in records if r.get("event") == "recovered"]
+  assert paths[-1] == "live" and set(paths) <= {"live", "interrupted"}, output[-3000:]
+  assert "restor" not in output, output[-3000:]
 
 
 def test_a_failure_in_a_tp_group_over_two_processes_recovers_live(tmp_path):
