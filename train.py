@@ -76,30 +76,34 @@ def main(argv):
   except (ConfigError, DataError) as err:
     if isinstance(err, CheckpointError):
       # A collective save that failed is often a lost peer: let the heartbeat name it first.
-      _stop_if_a_peer_was_lost(job, err, "saving a checkpoint")
+      _stop_if_a_peer_was_lost(job, err, "saving a checkpoint", run_config)
     print(f"error: {err}", file=sys.stderr)
     _exit(job, 2)
   except Exception as err:
     if job is None or not job.multi_process:
       raise
     # An error inside a collective is often a lost peer: let the heartbeat name it.
-    _stop_if_a_peer_was_lost(job, err, "in a step")
+    _stop_if_a_peer_was_lost(job, err, "in a step", run_config)
     traceback.print_exc()
     _exit(job, 1)
   if job is not None:
     job.finish()
 
 
-def _stop_if_a_peer_was_lost(job, err: Exception, where: str) -> None:
+def _stop_if_a_peer_was_lost(job, err: Exception, where: str, run_config) -> None:
   """After ``err`` in a multi-process job: if the heartbeat finds a lost peer, one line that
-  names it (and ``err`` as its effect), then exit with ``LOST_EXIT_CODE``; else return."""
+  names it (and ``err`` as its effect) and what a restart resumes from, then exit with
+  ``LOST_EXIT_CODE``; else return."""
   if job is None or job.heartbeat is None:
     return
+  from ntp_jax.state.checkpoint import restart_hint
   lost = job.heartbeat.wait_for_verdict()
   if lost is not None:
     cause = " ".join(str(err).split())[:160]
+    checkpoints = run_config.checkpoint
+    hint = restart_hint(checkpoints.dir if checkpoints.enabled else None)
     print(f"error: {lost}; process {job.process_id} stops ({type(err).__name__} {where}: "
-          f"{cause}); restart the job from its last checkpoint", file=sys.stderr)
+          f"{cause}); {hint}", file=sys.stderr)
     _exit(job, LOST_EXIT_CODE)
 
 

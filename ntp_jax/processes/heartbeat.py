@@ -53,6 +53,8 @@ class Heartbeat:
     self.interval_s = max(0.05, timeout_s / 6)
     self.on_lost = on_lost or end_process
     self.takeover_s = takeover_s
+    # What a restart resumes from (the run sets it once its checkpoints are known).
+    self.restart_hint: Callable[[], str] = lambda: "restart the job from its last checkpoint"
     self.lost: str | None = None
     self.lost_processes: set[int] = set()  # found lost (offered to the main thread)
     self._taken = threading.Event()
@@ -126,10 +128,9 @@ class Heartbeat:
       if self._taken.wait(self.takeover_s):
         return True
       self.on_lost(f"{self.lost}; process {self.process_id} is held in a collective with it "
-                   "and stops; restart the job from its last checkpoint")
+                   f"and stops; {self.restart_hint()}")
       return False
-    self.on_lost(f"{self.lost}; process {self.process_id} stops; restart the job from its "
-                 "last checkpoint")
+    self.on_lost(f"{self.lost}; process {self.process_id} stops; {self.restart_hint()}")
     return False
 
   def take_over(self) -> set[int]:

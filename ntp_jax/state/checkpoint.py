@@ -43,6 +43,34 @@ class CheckpointError(ConfigError):
   """A checkpoint that cannot be used; one line naming the path or the parameter."""
 
 
+def restart_hint(directory: str | None) -> str:
+  """What restarting the job resumes from, read off the disk now (no orbax, no JAX): the
+  newest complete step folder under ``directory`` (None: checkpoints are off), or that none
+  was written. Said to a process that stops, so that it never points to a checkpoint that
+  does not exist."""
+  if directory is None:
+    return "restart the job: with checkpoint.every=0 it starts again from step 0"
+  steps = sorted((int(name) for name in _listing(directory) if name.isdigit()), reverse=True)
+  for step in steps:
+    if _complete(folder := os.path.join(directory, str(step))):
+      return f"restart the job: it resumes from {folder}"
+  return f"restart the job: no checkpoint was written to {directory} yet, so it starts again " \
+         "from step 0"
+
+
+def _complete(folder: str) -> bool:
+  """``folder`` holds orbax's commit metadata and both items of a step."""
+  return all(os.path.exists(os.path.join(folder, part))
+             for part in ("_CHECKPOINT_METADATA", STATE, META))
+
+
+def _listing(directory: str) -> list[str]:
+  try:
+    return os.listdir(directory)
+  except OSError:
+    return []
+
+
 def one_line(err: BaseException, limit: int = 300) -> str:
   """``Type: message`` of the innermost error of ``err``'s chain, on one line, at most
   ``limit`` characters of message: orbax wraps TensorStore's error (which names the array
@@ -157,9 +185,7 @@ class Checkpoints:
 
   def is_complete(self, step: int) -> bool:
     """The step folder holds orbax's commit metadata and both items."""
-    folder = self.step_dir(step)
-    return all(os.path.exists(os.path.join(folder, part))
-               for part in ("_CHECKPOINT_METADATA", STATE, META))
+    return _complete(self.step_dir(step))
 
   def check_complete(self, step: int, field: str = "--step") -> None:
     """Raises CheckpointError, naming ``field`` and the complete steps there are, unless

@@ -30,7 +30,7 @@ from ntp_jax.processes.arrival import ProcessLost
 from ntp_jax.processes.heartbeat import end_process
 from ntp_jax.sharding.blocks import from_blocks
 from ntp_jax.sharding.topology import processes_of
-from ntp_jax.state.checkpoint import Checkpoints
+from ntp_jax.state.checkpoint import Checkpoints, restart_hint
 from ntp_jax.state.placement import Path, leaves_of
 
 DONE_KEY = "ntp_jax/just_in_time"
@@ -79,11 +79,7 @@ def write_just_in_time(job, lost: ProcessLost, survivors: set[int], state: JustI
   """
   start = time.perf_counter()
   bound = job.jit_checkpoint_s
-  latest = None
-  if checkpoints is not None:
-    latest = checkpoints.latest_step()
-  fallback = (f"restart the job from its last checkpoint "
-              f"({checkpoints.step_dir(latest) if latest is not None else 'none written'})")
+  fallback = restart_hint(checkpoints.directory if checkpoints is not None else None)
   if bound <= 0:
     return (f"{lost.message}; distributed.jit_checkpoint_s=0: no just-in-time checkpoint; "
             f"{fallback}")

@@ -358,23 +358,51 @@ class TrainingRun:
 
   def save(self) -> float:
     """A checkpoint of the steps done; returns the seconds the step was held (the move to
-    the even layout and the copy off the devices)."""
+    the even layout and the copy off the devices). Where steps commit, a peer lost inside
+    it is taken over and the save made again on the new plan (``_survived``)."""
+    start = time.perf_counter()
+    self._survived("save", self._save)
+    held = time.perf_counter() - start
+    self.clock.add("checkpoint_save", held)
+    self.state.saved_step = self.state.step
+    return held
+
+  def _save(self) -> None:
     state = self.state
     meta = {"data_cursor": state.cursor, "plan": state.plan.summary(),
             "config": self.config.to_json_dict()}
-    start = time.perf_counter()
     state.job_step.optimizer_states()  # a sharded optimizer state in the class layout, for now
     try:
       self.checkpoints.save(state.step, logical_state(state.programs, self.cache), meta)
     finally:
       state.job_step.release_optimizer_states()
-    held = time.perf_counter() - start
-    self.clock.add("checkpoint_save", held)
-    state.saved_step = state.step
-    return held
 
   def _evaluate(self, rows: np.ndarray) -> float:
-    return self.state.job_step.eval_loss(rows)
+    return self._survived("eval", lambda: self.state.job_step.eval_loss(rows))
+
+  def _survived(self, phase: str, work: Callable[[], Any]) -> Any:
+    """``work()`` between steps (a save or an evaluation: collectives across processes that
+    consume nothing), and, where steps commit, a vote on it (``phase``). A peer lost inside
+    it: every survivor takes the loss over (``process_lost``: the committed state moves to
+    the new plan) and runs ``work`` again there. A save's abandoned step folder is never
+    listed (orbax renames it only when every process wrote its part).
+
+    Raises:
+      CheckpointError, jax.errors.JaxRuntimeError: ``work`` failed and no process was lost.
+    """
+    while True:
+      if not self.guard.commits(self.state.plan, self.zero):
+        return work()
+      error = value = None
+      try:
+        value = work()
+      except (jax.errors.JaxRuntimeError, CheckpointError) as err:  # a peer lost inside?
+        error = err
+      try:
+        self.guard.commit(self.state.step, self.state.plan, phase, error)
+        return value
+      except ProcessLost as lost:
+        self.process_lost(lost, inside=False)
 
   # -- failures and repairs -------------------------------------------------------------------
 
@@ -591,9 +619,10 @@ class TrainingRun:
 
   # -- lost processes -------------------------------------------------------------------------
 
-  def process_lost(self, lost: ProcessLost) -> None:
-    """Processes lost before this step's sync: go on without their devices
-    (``distributed.recoverable``).
+  def process_lost(self, lost: ProcessLost, inside: bool = True) -> None:
+    """Processes lost (agreed by every survivor): go on without their devices
+    (``distributed.recoverable``). ``inside``: met inside this step (it is thrown away and
+    redone), else between steps (in a save or an evaluation after the step before).
 
     Raises:
       process_guard.ProcessStop: not recoverable; the last completed step was written as a
@@ -603,7 +632,7 @@ class TrainingRun:
     if not self.job.recoverable:
       raise self.guard.stop(lost, state.just_in_time(self.config.to_json_dict()),
                             self.checkpoints)
-    events = self.guard.take_loss(lost, state.step, state.plan.tp, state.failed)
+    events = self.guard.take_loss(lost, state.step, state.plan.tp, state.failed, inside)
     self.guard.recovery_starts()
     live = self.guard.live_processes()
     if self.checkpoints is not None:
@@ -620,7 +649,7 @@ class TrainingRun:
       if self.recoveries.pending is not None:
         self.recoveries.pending.path = "interrupted"
       self.log(f"step {state.step}: {again.message}; the move is started again")
-      self.process_lost(again)
+      self.process_lost(again, inside)
 
   def events_before(self, step: int) -> list[Event]:
     """What the hooks report before ``step``: their events, and a ``DeviceFailure`` one

@@ -37,6 +37,15 @@ from ntp_jax.training.just_in_time import JustInTimeState, write_just_in_time
 COMPILE_TAKEOVER_S = 900.0
 # Seconds a stopping process gets to reach its end after a ProcessStop.
 STOP_GRACE_S = 30.0
+# Phases voted on outside a step's own: where a loss was met, and what the survivors do.
+_PHASES = {
+    "move": ("while the state moved onto the plan of step {step} (move phase",
+             "the move starts again from the old state"),
+    "save": ("while saving the checkpoint of step {step} (save phase",
+             "the save is made again on the new plan"),
+    "eval": ("while evaluating at step {step} (eval phase",
+             "the evaluation runs again on the new plan"),
+}
 
 
 class ProcessStop(Exception):
@@ -145,12 +154,13 @@ class ProcessGuard:
     heartbeat.lost_processes.update(lost)  # agreed: the heartbeat stops counting them down
     heartbeat.take_over()
     raised = sorted(p for p, v in votes.items() if v == FAIL)
+    where, then = _PHASES.get(phase, (f"inside step {{step}} ({phase} phase",
+                                      "the step is thrown away by every survivor"))
     raise ProcessLost(lost, step, (
         f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, sorted(lost)))} of "
-        f"{self.job.num_processes} inside step {step} ({phase} phase; its collectives "
+        f"{self.job.num_processes} {where.format(step=step)}; its collectives "
         f"raised on process(es) {raised}; distributed.heartbeat_timeout_s="
-        f"{heartbeat.timeout_s:g}); "
-        "the step is thrown away by every survivor"))
+        f"{heartbeat.timeout_s:g}); {then}"))
 
   def arrive(self, step: int, plan: Plan, phase: str = "sync") -> None:
     """Wait until every live process of ``plan`` reached ``phase`` of ``step``.
@@ -204,14 +214,15 @@ class ProcessGuard:
     return {(i // tp, i % tp) for i, d in enumerate(self.devices) if d in devices}
 
   def take_loss(self, lost: ProcessLost, step: int, tp: int,
-                failed: frozenset[tuple[int, int]]) -> list[Event]:
+                failed: frozenset[tuple[int, int]], inside: bool = True) -> list[Event]:
     """Go on without the lost processes (``distributed.recoverable``): their devices join
-    the lost ones, and the ``fail`` events (inside ``step``) of their slots not failed yet
-    are returned for the run to apply."""
+    the lost ones, and the ``fail`` events of their slots not failed yet are returned for
+    the run to apply (inside ``step``, or before it: ``inside=False``, met in a save or an
+    evaluation after the step before)."""
     gone = self.devices_of(lost.processes)
     self.lost_devices |= gone
     self.job.lost.update(lost.processes)  # the lowest live process speaks from now on
-    events = [Event(step, True, "fail", r, s) for r, s in sorted(self.slots_of(gone, tp))
+    events = [Event(step, inside, "fail", r, s) for r, s in sorted(self.slots_of(gone, tp))
               if (r, s) not in failed]
     self.log(f"step {step}: {lost.message}; process {self.job.process_id} goes on without "
              f"it (distributed.recoverable): {len(gone)} device(s) fail")

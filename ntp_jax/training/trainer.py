@@ -31,7 +31,7 @@ from ntp_jax.parallel.sync import sync_traffic
 from ntp_jax.processes.distributed import Job, check_domains, join, ordered_devices
 from ntp_jax.resilience.signals import StopSignals
 from ntp_jax.sharding.topology import is_mine
-from ntp_jax.state.checkpoint import Checkpoints
+from ntp_jax.state.checkpoint import Checkpoints, restart_hint
 from ntp_jax.training.caller_hooks import CallerHook, HookError
 from ntp_jax.training.compilation import make_folder, set_up_cache
 from ntp_jax.training.config import RunConfig, as_run_config
@@ -199,6 +199,9 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   config = as_run_config(config)
   user_hooks = [as_hook(h) for h in hooks]
   job = join(config.distributed)  # several processes: jax.distributed first, before computing
+  if job.heartbeat is not None:  # a process that stops says what a restart resumes from
+    job.heartbeat.restart_hint = functools.partial(
+        restart_hint, config.checkpoint.dir if config.checkpoint.enabled else None)
   # The lowest live process speaks for the job; the others say only where they are.
   log = _speaker_log(log, job)
   model = model or load_model_spec(config.model.factory, config.source)

@@ -10,6 +10,9 @@
   over (neither ``distributed.recoverable`` nor ``distributed.jit_checkpoint_s``)
   publishes no arrival: ``NTP_JAX_DIE_AT_ONCE=1`` kills without waiting for it (the
   survivors meet the loss in the next step's collective, and their heartbeat ends them).
+- ``NTP_JAX_DIE_IN_SAVE=P:S``: process ``P`` kills itself (SIGKILL) inside the save of
+  the checkpoint of step ``S``, as it starts reading the state off its devices: the
+  survivors meet the loss in the save's collectives.
 - ``NTP_JAX_WAIT_FOR_AHEAD=1``: before every step, wait for the compile ahead of the
   plans one event away to finish (``ntp.precompile``), as a long run's failures come
   long after it has.
@@ -63,6 +66,22 @@ class WaitForAhead(Hook):
     return []
 
 
+def die_in_save(process: int, step: int) -> None:
+  """Process ``process`` ends itself as the save of step ``step`` reads the state."""
+  import ntp_jax.training.loop as loop
+  read, save = loop.logical_state, loop.TrainingRun._save
+
+  def saving(run):
+    if run.state.step == step and jax.process_index() == process:
+      loop.logical_state = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    try:
+      return save(run)
+    finally:
+      loop.logical_state = read
+
+  loop.TrainingRun._save = saving
+
+
 def hooks_from_environment() -> list[Hook]:
   hooks: list[Hook] = []
   if os.environ.get("NTP_JAX_WAIT_FOR_AHEAD") == "1":
@@ -76,5 +95,7 @@ def hooks_from_environment() -> list[Hook]:
 
 
 if __name__ == "__main__":
+  if os.environ.get("NTP_JAX_DIE_IN_SAVE"):
+    die_in_save(*map(int, os.environ["NTP_JAX_DIE_IN_SAVE"].split(":")))
   trainer.train = functools.partial(trainer.train, hooks=hooks_from_environment())
   app.run(train.main, flags_parser=train.parse_flags)

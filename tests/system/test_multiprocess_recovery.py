@@ -304,6 +304,36 @@ def test_two_processes_of_different_replicas_killed_a_second_apart_are_survived_
   assert "restor" not in output, output[-3000:]
 
 
+def test_a_process_lost_inside_a_checkpoint_save_is_survived_and_the_save_made_again(
+    tmp_path):
+  """3 processes of 2 devices, one replica each (dp=3 tp=2), recoverable, a checkpoint every
+  4 steps: process 2 dies inside the save of step 4, as the state is read off the devices.
+  The survivors' save collectives raise; they agree on the loss, move the state onto the
+  two replicas left and save step 4 again there; no step is redone, and the losses are the
+  healthy one-process run's (constant global batch)."""
+  steps = 10
+  constant = {"ntp.rebalance": "constant", "mesh.dp": 3, "mesh.tp": 2,
+              "train.batch_size": 18, "train.steps": steps}
+  expected, _ = _reference(tmp_path, "one", **constant, **{"checkpoint.every": 0})
+  workdir = tmp_path / "three"
+  settings = {**BASE, **constant, "checkpoint.every": 4, "distributed.recoverable": True,
+              "distributed.heartbeat_timeout_s": HEARTBEAT_S}
+  result = _launch(3, workdir, settings, launcher=["--run-on"],
+                   program="tests/programs/train_with_hooks.py",
+                   env={"NTP_JAX_DIE_IN_SAVE": "2:4"}, timeout=400)
+  output = result.stdout + result.stderr
+  assert result.returncode == 0, output[-4000:]
+  assert "lost process 2 of 3 while saving the checkpoint of step 4" in output, output[-3000:]
+  records = _equal_losses(workdir, expected, steps=steps)
+  lost = [(r["step"], r["processes"]) for r in records if r.get("event") == "process_lost"]
+  assert lost == [(4, [2])], lost
+  degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
+  assert degrees[3] == [2, 2, 2] and degrees[4] == [2, 2]
+  assert "redone" not in output, output[-3000:]
+  checkpoints = os.listdir(workdir / "checkpoints")
+  assert {"8", "10"} <= set(checkpoints), checkpoints  # saves go on over the survivors
+
+
 def test_a_failure_in_a_tp_group_over_two_processes_recovers_live(tmp_path):
   """4 processes of 2 devices, one scale-up domain of two processes per replica: the healthy
   plan, then replicas of TP degree 3 and 4 (two classes) over them, equal to one process."""

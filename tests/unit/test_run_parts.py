@@ -173,8 +173,8 @@ def test_a_guard_that_cannot_go_on_returns_the_stop_instead_of_ending_the_proces
                     checkpoints=None)
   assert isinstance(stop, ProcessStop) and stop.status == LOST_EXIT_CODE
   assert stop.message == ("lost process 1 of 2; distributed.jit_checkpoint_s=0: no "
-                          "just-in-time checkpoint; restart the job from its last checkpoint "
-                          "(none written)")
+                          "just-in-time checkpoint; restart the job: with checkpoint.every=0 "
+                          "it starts again from step 0")
 
 
 def test_the_lowest_live_process_speaks_for_the_job(tmp_path):

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from ntp_jax.state.checkpoint import CheckpointError, Checkpoints
+from ntp_jax.state.checkpoint import CheckpointError, Checkpoints, restart_hint
 from ntp_jax.training.stored_run import open_stored_run
 
 PARAMS = {("params", "w"): np.arange(6, dtype=np.float32).reshape(2, 3),
@@ -84,3 +84,17 @@ def test_a_reader_leaves_the_unfinished_save_of_a_writer_alone(tmp_path):
   assert open_stored_run(str(tmp_path), field="--from").step == 1
   time.sleep(0.5)  # orbax removes temporary folders in a background thread
   assert unfinished.is_dir()
+
+
+def test_a_stopping_process_names_only_a_checkpoint_that_exists(tmp_path):
+  """``restart_hint``: the newest complete step folder, never an unfinished or absent one."""
+  directory = tmp_path / "checkpoints"
+  assert restart_hint(None) == ("restart the job: with checkpoint.every=0 it starts again "
+                                "from step 0")
+  nothing = f"restart the job: no checkpoint was written to {directory} yet, so it starts " \
+            "again from step 0"
+  assert restart_hint(str(directory)) == nothing  # no folder at all
+  _save(directory, 3, {"data_cursor": 12, "plan": PLAN, "config": CONFIG})
+  os.makedirs(directory / "7")  # a save cut short: no commit metadata, no items
+  os.makedirs(directory / "7.orbax-checkpoint-tmp")
+  assert restart_hint(str(directory)) == f"restart the job: it resumes from {directory / '3'}"
