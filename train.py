@@ -76,6 +76,9 @@ def main(argv):
   except ConfigError as err:
     print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
+  if processes > 1:  # a stop during start-up: every process stops at one step, not this one
+    from ntp_jax.resilience.signals import hold_stop_signals
+    hold_stop_signals()
 
   from ntp_jax.data import DataError
   from ntp_jax.state.checkpoint import CheckpointError
