@@ -299,12 +299,14 @@ def check_command(command: list[str], processes: int,
   args = command[script + 1:]
   config_args = [arg for i, arg in enumerate(args) if CONFIG_ARG.match(arg) or (
       i > 0 and args[i - 1] in ("--config", "-config"))]
+  argv = ["train.py", *config_args]
   flag_values = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, flag_values=flag_values)
+  # ml_collections finds the overrides in sys.argv unless given its own
+  config_flags.DEFINE_config_file("config", None, flag_values=flag_values, sys_argv=argv)
   # The config file imports from its repository (configs.base), as it would in train.py.
   sys.path.insert(0, os.path.dirname(os.path.abspath(command[script])))
   try:
-    parse_command_line(["train.py", *config_args], flag_values)
+    parse_command_line(argv, flag_values)
   finally:
     sys.path.pop(0)
   run_config = RunConfig.from_config(flag_values["config"].value,

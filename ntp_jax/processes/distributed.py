@@ -367,12 +367,16 @@ def join(distributed: Any) -> Job:
   (``launcher_watch``): a process whose launcher died stops itself.
 
   Raises:
-    ConfigError: bad ``distributed.*`` settings, naming the field.
+    ConfigError: bad ``distributed.*`` settings, naming the field (``distributed.recoverable``
+      in a job of one process, too).
   """
   global _JOINED
   if _JOINED is not None:
     return _JOINED
   settings = settings_from_config(distributed)
+  if distributed.recoverable and (settings is None or settings.num_processes == 1):
+    raise ConfigError("distributed.recoverable: True needs a job of several processes (this "
+                      "run is one: no peer to go on without)")
   watch_launcher()  # before joining, which waits for every process
   if settings is None:
     return Job()
