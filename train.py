@@ -15,6 +15,7 @@ import sys
 import traceback
 
 from absl import app, logging
+from absl.flags import FLAGS
 from ml_collections import config_flags
 
 from ntp_jax.processes.heartbeat import LOST_EXIT_CODE  # no JAX here: XLA_FLAGS come first
@@ -31,6 +32,19 @@ def simulate_cpu_devices(count: int) -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   if "--xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def cpu_devices_per_process(run_config, processes: int) -> int:
+  """The CPU devices this process simulates; with several processes on CPU, the job's layout
+  checked first (``processes.job_layout``: a ``ConfigError`` naming the field)."""
+  from ntp_jax.processes.distributed import expects_gpu
+  from ntp_jax.processes.job_layout import DEVICE_COUNT_FLAG, check_job_layout, forced_device_count
+  mesh = run_config.mesh
+  if processes == 1 or expects_gpu():  # on GPU the count is the machine's, known later
+    return max(1, mesh.devices // processes)
+  given = forced_device_count(os.environ.get("XLA_FLAGS", ""))
+  return check_job_layout(mesh.tp, mesh.dp, run_config.distributed.processes_per_domain,
+                          processes, given, f"XLA_FLAGS {DEVICE_COUNT_FLAG}")
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -54,13 +68,17 @@ def main(argv):
   from ntp_jax.processes import distributed
   from ntp_jax.training.config import RunConfig
   try:
-    run_config = RunConfig.from_config(config)  # every field checked once, here
+    # Every field checked once, here; a field the file made up is named with the file.
+    run_config = RunConfig.from_config(config, config_flags.get_config_filename(FLAGS["config"]))
     processes = distributed.processes_in_config(run_config.distributed)
+    # Several processes (ntp_jax.launch, SLURM, ...) share the devices of the job.
+    simulate_cpu_devices(cpu_devices_per_process(run_config, processes))
   except ConfigError as err:
     print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
-  # Several processes (ntp_jax.launch, SLURM, ...) share the devices of the job.
-  simulate_cpu_devices(max(1, run_config.mesh.devices // processes))
+  if processes > 1:  # a stop during start-up: every process stops at one step, not this one
+    from ntp_jax.resilience.signals import hold_stop_signals
+    hold_stop_signals()
 
   from ntp_jax.data import DataError
   from ntp_jax.state.checkpoint import CheckpointError

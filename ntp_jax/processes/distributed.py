@@ -32,6 +32,7 @@ import jax
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.processes.heartbeat import Heartbeat, StopAgreement
+from ntp_jax.processes.launcher_watch import watch_launcher
 from ntp_jax.processes.service import ENV_EXTERNAL_SERVICE, no_service_in_process_0
 
 ENV_COORDINATOR = "NTP_JAX_COORDINATOR"  # set by ntp_jax.launch for each process it starts
@@ -361,15 +362,22 @@ def join(distributed: Any) -> Job:
   environment asks for several processes, and the heartbeat.
 
   Must run before any JAX computation; a second call returns the same
-  ``Job``. A single-process config returns ``Job()`` and touches nothing.
+  ``Job``. A single-process config returns ``Job()`` and touches nothing. Under
+  ``python -m ntp_jax.launch`` it also starts the watch on the launcher
+  (``launcher_watch``): a process whose launcher died stops itself.
 
   Raises:
-    ConfigError: bad ``distributed.*`` settings, naming the field.
+    ConfigError: bad ``distributed.*`` settings, naming the field (``distributed.recoverable``
+      in a job of one process, too).
   """
   global _JOINED
   if _JOINED is not None:
     return _JOINED
   settings = settings_from_config(distributed)
+  if distributed.recoverable and (settings is None or settings.num_processes == 1):
+    raise ConfigError("distributed.recoverable: True needs a job of several processes (this "
+                      "run is one: no peer to go on without)")
+  watch_launcher()  # before joining, which waits for every process
   if settings is None:
     return Job()
   note = initialize(settings)

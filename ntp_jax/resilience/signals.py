@@ -7,7 +7,10 @@ checkpoints are never left half written. A second SIGINT raises
 long compilation); the trainer then stops without saving the step in flight.
 In a multi-process job the processes agree on the step to stop at
 (``heartbeat.StopAgreement``), so their last collective steps and the
-final checkpoint match.
+final checkpoint match. A process of such a job receives its signal at any moment,
+start-up included: ``hold_stop_signals`` keeps one that arrives before the run
+begins, and the run stops at its first agreed step instead of the process dying
+alone (its peers would then meet a lost process).
 """
 
 from __future__ import annotations
@@ -15,6 +18,23 @@ from __future__ import annotations
 import signal
 import threading
 from types import FrameType
+
+_held: list[str] = []  # stop signals received before a run began (hold_stop_signals)
+
+
+def hold_stop_signals() -> None:
+  """From now on, a SIGTERM or SIGINT that arrives before a run's ``StopSignals`` is kept
+  for that run (which then stops at its first agreed step) instead of ending the process;
+  a second SIGINT still raises ``KeyboardInterrupt``. Main thread only; raises nothing."""
+
+  def hold(signum: int, frame: FrameType | None) -> None:
+    if _held and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    _held.append(signal.Signals(signum).name)
+
+  if threading.current_thread() is threading.main_thread():
+    for sig in StopSignals.SIGNALS:
+      signal.signal(sig, hold)
 
 
 class StopSignals:
@@ -50,6 +70,8 @@ class StopSignals:
     if threading.current_thread() is threading.main_thread():
       for sig in self.SIGNALS:
         self._previous[sig] = signal.signal(sig, self._handle)
+      if _held and self.received is None:  # arrived while the run was being set up
+        self.received = _held[0]
     return self
 
   def __exit__(self, *exc) -> None:

@@ -20,6 +20,7 @@ reads ``model.factory`` and ``model.init_from`` of it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -158,8 +159,13 @@ class RunConfig:
   source: Any = dataclasses.field(repr=False, compare=False, default=None)
 
   @classmethod
-  def from_config(cls, config: Any) -> RunConfig:
+  def from_config(cls, config: Any, file: str | None = None) -> RunConfig:
     """Build and check the run's settings from an ``ml_collections.ConfigDict``.
+
+    Args:
+      config: the settings.
+      file: the config file they were loaded from, named by an unknown field's error
+        (the command line's overrides cannot add fields: only the file can).
 
     Raises:
       ConfigError: one line naming the field: a missing or unknown field, a
@@ -169,7 +175,7 @@ class RunConfig:
         recovery with nothing to recover from.
     """
     reader = _Reader(config)
-    _no_unknown_fields(config)
+    _no_unknown_fields(config, file)
     mesh = MeshConfig(tp=reader.int("mesh.tp", low=1), dp=reader.int("mesh.dp", low=1))
     train = _train_section(reader)
     if train.optimizer_sharding != "replicated" and mesh.dp == 1:
@@ -243,11 +249,13 @@ FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _no_unknown_fields(config: Any) -> None:
-  """Raises ConfigError naming a field that no section of the trainer has."""
+def _no_unknown_fields(config: Any, file: str | None = None) -> None:
+  """Raises ConfigError naming a field that no section of the trainer has (and ``file``,
+  the config file that set it, where known), with the closest field there is."""
+  where = f"{file}: " if file else ""
   for key in config:
     if key not in FIELDS[""]:
-      raise ConfigError(f"{key}: no such config field")
+      raise ConfigError(f"{where}{key}: no such config field{_closest(key, FIELDS[''])}")
   for section, fields in FIELDS.items():
     if section in ("", "model"):
       continue
@@ -255,7 +263,14 @@ def _no_unknown_fields(config: Any) -> None:
       raise ConfigError(f"{section}: section missing from the config (configs/base.py has it)")
     for key in config[section]:
       if key not in fields:
-        raise ConfigError(f"{section}.{key}: no such config field")
+        raise ConfigError(f"{where}{section}.{key}: no such config field"
+                          f"{_closest(key, fields, section + '.')}")
+
+
+def _closest(name: str, fields: tuple[str, ...], prefix: str = "") -> str:
+  """``; did you mean PREFIX+FIELD?`` for the field most like ``name``, or nothing."""
+  close = difflib.get_close_matches(name, fields, n=1)
+  return f"; did you mean {prefix}{close[0]}?" if close else ""
 
 
 class _Reader:

@@ -223,8 +223,10 @@ def train(config, *, model: ModelSpec | None = None, log=print,
     log(note)
   if job.multi_process:
     mine = [i for i, d in enumerate(devices) if is_mine(d)]
-    log(f"process {job.process_id} of {job.num_processes}: {len(jax.local_devices())} local "
-        f"devices, replicas {sorted({i // plan.tp for i in mine})}", always=True)
+    local = len(jax.local_devices())
+    log(f"process {job.process_id} of {job.num_processes}: {local} local "
+        f"device{'s' if local != 1 else ''}, replicas {sorted({i // plan.tp for i in mine})}",
+        always=True)
   metrics_path = os.path.join(config.workdir, "metrics.jsonl")
   # A model past the split step's int32 indexing (from shapes): refused before the memory
   # plan compiles anything if its plan needs that step (a dry run says so after its tables),
@@ -240,8 +242,10 @@ def train(config, *, model: ModelSpec | None = None, log=print,
       unbuildable = f"this plan cannot be built: {err}"
   else:
     unbuildable = failure_overrun(plan, config.ntp.failed, plan_of, model, zero)
+  if unbuildable is not None and not config.dry_run:  # before the memory plan, which may stop it
+    log(f"warning: {unbuildable}")
   footprints = check_footprint(config, model, plan, optimizer, devices, log)
-  if unbuildable is not None:
+  if unbuildable is not None and config.dry_run:  # after its tables
     log(f"warning: {unbuildable}")
   if config.dry_run:
     return TrainResult(plan=plan, metrics_path=metrics_path, footprints=footprints,

@@ -266,6 +266,31 @@ def test_the_sharded_update_lowers_for_abstract_buffers(tmp_path):
   assert (first, later, update) == (length * 4, length * 4 + pieces, pieces + device_bytes(state))
 
 
+def test_the_warning_that_a_failure_would_stop_the_run_comes_before_the_memory_check(
+    tmp_path, monkeypatch):
+  """gpt_70b on 2 x 4 with a replicated optimizer: the warning that a failed slot would stop
+  the run is printed before the memory plan, which on this host stops the run (stood in for
+  here by a ``ResourceError`` at once, as the plan of thousands of GiB would give)."""
+  from ntp_jax.training import trainer
+  from ntp_jax.training.resources import ResourceError
+
+  def no_memory(*args, **kwargs):
+    raise ResourceError("the plan needs more host memory than there is")
+
+  monkeypatch.setattr(trainer, "check_footprint", no_memory)
+  config = configs.gpt_70b.get_config()
+  config.mesh.dp, config.mesh.tp = 2, 4
+  config.train.batch_size = 8
+  config.train.optimizer_sharding = "replicated"
+  config.workdir = str(tmp_path)
+  logged = []
+  with pytest.raises(ResourceError):
+    train(config, log=logged.append)
+  assert [line for line in logged if line.startswith("warning: a failed slot would stop this "
+                                                     "run: on the plan it leads to (TP degrees "
+                                                     "[3, 4])")], logged
+
+
 def test_a_step_past_int32_indexing_is_refused_before_compiling(tmp_path):
   """gpt_70b on 2 x 4: one device's block of a layer's kernel and its sync buffer hold more
   elements than int32 indexing reaches; zero1's footprint and a run's start say so from

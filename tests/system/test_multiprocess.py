@@ -280,3 +280,34 @@ def test_stop_agreement_gives_every_process_the_same_step():
   assert first.due(8, None) is None and first.due(9, None) == "SIGTERM"
   assert first.due(8, "SIGINT") is None  # a later request does not move the agreed step
   assert second.due(9, "SIGTERM") == "SIGTERM"
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_to_the_launcher_stops_every_process_with_one_checkpoint_and_status_0(tmp_path):
+  """A Ctrl-C (SIGINT) to ``python -m ntp_jax.launch`` is passed on once to each process:
+  they stop at one agreed step, write its checkpoint, and the launcher's status is 0."""
+  command = [sys.executable, "-m", "ntp_jax.launch", "--processes=2", "--",
+             *_train_args(tmp_path, "--config.train.steps=400", "--config.checkpoint.every=1000")]
+  launcher = subprocess.Popen(command, cwd=ROOT, env=process_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  try:
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "metrics.jsonl").exists() or '"step": 1,' not in (
+        tmp_path / "metrics.jsonl").read_text():
+      assert launcher.poll() is None, launcher.stdout.read()[-3000:]
+      assert time.monotonic() < deadline, "no step 1 in 300 s"
+      time.sleep(0.2)
+    launcher.send_signal(signal.SIGINT)
+    status = launcher.wait(timeout=120)
+    output = launcher.stdout.read()
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+      launcher.wait()
+  assert status == 0, output[-3000:]
+  stopped = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")
+             if '"event": "stop"' in line]
+  assert len(stopped) == 1 and stopped[0]["signal"] == "SIGINT", output[-3000:]
+  step = stopped[0]["step"]
+  assert sorted(p for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()) == [str(step)]
+  assert f"[0] interrupted at step {step} (SIGINT)" in output

@@ -122,3 +122,16 @@ def test_negative_warmup_is_refused():
   config.train.warmup_steps = -5
   with pytest.raises(ConfigError, match=r"^train.warmup_steps: must be >= 0, got -5$"):
     RunConfig.from_config(ml_collections.ConfigDict(config))
+
+
+def test_a_field_the_config_file_made_up_names_the_file_and_the_closest_field():
+  config = importlib.import_module("configs.gpt_tiny").get_config()
+  config.train.stepz = 5
+  with pytest.raises(ConfigError, match=r"^my_config.py: train.stepz: no such config field; "
+                     r"did you mean train.steps\?$"):
+    RunConfig.from_config(config, "my_config.py")
+  del config.train["stepz"]
+  config.checkpointz = ml_collections.ConfigDict()
+  with pytest.raises(ConfigError, match=r"^checkpointz: no such config field; did you mean "
+                     r"checkpoint\?$"):
+    RunConfig.from_config(config)
