@@ -394,6 +394,7 @@ class TrainingRun:
       if not self.guard.commits(self.state.plan, self.zero):
         return work()
       error = value = None
+      self.guard.between_steps_starts()
       try:
         value = work()
       except (jax.errors.JaxRuntimeError, CheckpointError) as err:  # a peer lost inside?

@@ -190,6 +190,12 @@ class ProcessGuard:
     if self.arrival is not None and compiles:
       self.job.heartbeat.takeover_s = max(self.takeover_base_s, COMPILE_TAKEOVER_S)
 
+  def between_steps_starts(self) -> None:
+    """A save or an evaluation: it may compile, and orbax's barriers over the live processes
+    wait up to 300 s for a peer lost inside them before raising. Allow for that, as for a
+    compile (the next step's end sets it back)."""
+    self.step_starts(compiles=True)
+
   def recovery_starts(self) -> None:
     """A loss found while the state moves onto a new plan is taken over when the move has
     failed and voted (steps that commit): its programs may compile, and each of its
