@@ -143,6 +143,14 @@ def _mpirun(command, log):
                           start_new_session=True)
 
 
+def _ended(process: psutil.Process) -> bool:
+  """Whether ``process`` has exited (a zombie that its parent has not reaped counts)."""
+  try:
+    return process.status() == psutil.STATUS_ZOMBIE
+  except psutil.NoSuchProcess:
+    return True
+
+
 def _kill_with_children(process):
   if process.poll() is None:
     for child in psutil.Process(process.pid).children(recursive=True):
@@ -164,28 +172,39 @@ def test_the_docs_mpirun_command_matches_the_launcher_and_sigterm_leaves_one_che
     return _mpirun([*command, f"--config.workdir={workdir}", f"--config.train.steps={steps}",
                     *COMMON], log)
 
-  with open(tmp_path / "first.log", "w") as log:
-    job = run(SCHEDULE, log)
-    try:
-      # The SIGTERM reaches the processes MPI_SIGKILL_TIMEOUT_S later: sent once training
-      # starts, it finds every process in its loop (the trainer's stop handler on).
-      wait_for_row(workdir, lambda r: r.get("event") == "start", alive=lambda: job.poll() is None)
-      job.send_signal(signal.SIGTERM)
-      job.wait(timeout=2 * MPI_SIGKILL_TIMEOUT_S + 30)
-    finally:
-      _kill_with_children(job)
-  output = (tmp_path / "first.log").read_text()
-  stopped = the_one_stop(workdir)
-  assert f"interrupted at step {stopped} (SIGTERM)" in output, output[-3000:]
-  assert "process 1 of 2: 4 local devices, replicas [1]" in output, output[-3000:]
+  first_log, rerun_log = open(tmp_path / "first.log", "w"), open(tmp_path / "rerun.log", "w")
+  first = rerun = None
+  try:
+    first = run(SCHEDULE, first_log)
+    # The SIGTERM reaches the processes MPI_SIGKILL_TIMEOUT_S later: sent once training
+    # starts, it finds every process in its loop (the trainer's stop handler on).
+    wait_for_row(workdir, lambda r: r.get("event") == "start", alive=lambda: first.poll() is None)
+    processes = psutil.Process(first.pid).children(recursive=True)
+    first.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    # mpirun itself ends 2 x MPI_SIGKILL_TIMEOUT_S after its signal, whatever its processes
+    # did (it reaps them only then): the test goes on once they have ended, and waits for
+    # mpirun at the end.
+    while not all(_ended(p) for p in processes):
+      assert time.monotonic() - signalled < 2 * MPI_SIGKILL_TIMEOUT_S, (
+          "mpirun's processes did not end before its SIGKILL")
+      time.sleep(0.3)
+    stopped = the_one_stop(workdir)
 
-  with open(tmp_path / "rerun.log", "w") as log:
-    rerun = run(stopped + RESUMED_STEPS, log)
-    try:
-      status = rerun.wait(timeout=120)
-    finally:
-      _kill_with_children(rerun)
-  output = (tmp_path / "rerun.log").read_text()
-  assert status == 0, output[-3000:]
-  assert f"resuming from step {stopped}" in output, output[-3000:]
-  assert_launcher_losses(workdir, tmp_path, stopped + RESUMED_STEPS)
+    rerun = run(stopped + RESUMED_STEPS, rerun_log)
+    status = rerun.wait(timeout=120)
+    output = (tmp_path / "rerun.log").read_text()
+    assert status == 0, output[-3000:]
+    assert f"resuming from step {stopped}" in output, output[-3000:]
+    assert_launcher_losses(workdir, tmp_path, stopped + RESUMED_STEPS)
+
+    first.wait(timeout=max(1, 2 * MPI_SIGKILL_TIMEOUT_S + 30 - (time.monotonic() - signalled)))
+    output = (tmp_path / "first.log").read_text()
+    assert f"interrupted at step {stopped} (SIGTERM)" in output, output[-3000:]
+    assert "process 1 of 2: 4 local devices, replicas [1]" in output, output[-3000:]
+  finally:
+    for job in (first, rerun):
+      if job is not None:
+        _kill_with_children(job)
+    first_log.close()
+    rerun_log.close()
