@@ -133,6 +133,7 @@ def test_the_docs_sbatch_script_matches_the_launcher_and_scancel_leaves_one_chec
   slurm.wait(rerun, 120)
   output = (tmp_path / f"slurm-{rerun}.out").read_text()
   assert f"0: resuming from step {stopped}" in output, output[-3000:]
+  assert "srun: error" not in output, output[-3000:]  # srun names a task that failed
   assert_launcher_losses(workdir, tmp_path, stopped + RESUMED_STEPS)
 
 
