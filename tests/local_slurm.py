@@ -3,8 +3,9 @@
 foreground from a temporary directory, and stopped by their ids.
 
 No systemd, no cgroups: processes are tracked by their parent ids
-(``proctrack/linuxproc``) and not bound to cores (``task/none``). Everything the daemons
-write (keys, sockets, state, logs) stays in that directory; the ports are free ones.
+(``proctrack/linuxproc``) and not bound to cores (``task/none``). The configuration and logs
+go to the directory given; sockets, state and spool to a short one under /tmp (a Unix
+socket's path has at most 108 characters), removed at the end; the ports are free ones.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import random
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -30,11 +32,11 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={dir}/munge.socket
-StateSaveLocation={dir}/state
-SlurmdSpoolDir={dir}/spool
-SlurmctldPidFile={dir}/slurmctld.pid
-SlurmdPidFile={dir}/slurmd.pid
+AuthInfo=socket={run}/munge.socket
+StateSaveLocation={run}/state
+SlurmdSpoolDir={run}/spool
+SlurmctldPidFile={run}/slurmctld.pid
+SlurmdPidFile={run}/slurmd.pid
 SlurmctldLogFile={dir}/slurmctld.log
 SlurmdLogFile={dir}/slurmd.log
 ProctrackType=proctrack/linuxproc
@@ -74,12 +76,15 @@ class LocalSlurm:
 
   def __init__(self, workdir, free_port, env):
     self.dir = str(workdir)
+    os.makedirs(self.dir, exist_ok=True)
+    self.run_dir = tempfile.mkdtemp(prefix="slurm-", dir="/tmp")
     for sub in ("state", "spool"):
-      os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
+      os.makedirs(os.path.join(self.run_dir, sub))
     conf = os.path.join(self.dir, "slurm.conf")
     with open(conf, "w") as f:
-      f.write(SLURM_CONF.format(dir=self.dir, ctld_port=free_port(), slurmd_port=free_port(),
-                                kill_wait=KILL_WAIT_S, first_job_id=random.randrange(1, 4000)))
+      f.write(SLURM_CONF.format(dir=self.dir, run=self.run_dir, ctld_port=free_port(),
+                                slurmd_port=free_port(), kill_wait=KILL_WAIT_S,
+                                first_job_id=random.randrange(1, 4000)))
     self.env = dict(env, SLURM_CONF=conf)
     self.daemons: list[subprocess.Popen] = []
     self.jobs: list[str] = []
@@ -91,14 +96,14 @@ class LocalSlurm:
       RuntimeError: a daemon ended, or the node was not idle within ``timeout_s``,
         with the end of the daemons' logs.
     """
-    key = os.path.join(self.dir, "munge.key")
+    run = self.run_dir
+    key = os.path.join(run, "munge.key")
     with open(key, "wb") as f:
       f.write(os.urandom(1024))
     os.chmod(key, 0o600)
-    d = self.dir
-    self._spawn("munged", "--foreground", "--force", f"--socket={d}/munge.socket",
-                f"--key-file={key}", f"--log-file={d}/munged.log",
-                f"--pid-file={d}/munged.pid", f"--seed-file={d}/munged.seed")
+    self._spawn("munged", "--foreground", "--force", f"--socket={run}/munge.socket",
+                f"--key-file={key}", f"--log-file={self.dir}/munged.log",
+                f"--pid-file={run}/munged.pid", f"--seed-file={run}/munged.seed")
     self._spawn("slurmctld", "-D")
     self._spawn("slurmd", "-D", "-N", "localhost")
     deadline = time.monotonic() + timeout_s
@@ -176,3 +181,4 @@ class LocalSlurm:
       except subprocess.TimeoutExpired:
         daemon.kill()
         daemon.wait()
+    shutil.rmtree(self.run_dir, ignore_errors=True)

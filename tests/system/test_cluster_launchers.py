@@ -54,14 +54,14 @@ def job_env(**extra):
   return process_env(PATH=path, PYTHONUNBUFFERED="1", **extra)
 
 
-def wait_for_row(workdir, wanted, alive, timeout_s: float = 90) -> None:
+def wait_for_row(workdir, wanted, alive, timeout_s: float = 90, context=str) -> None:
   """Until a row of ``metrics.jsonl`` is ``wanted`` (a predicate); fails when ``alive()``
-  turns False first."""
+  turns False first, with ``context()`` (the launcher's logs) in the message."""
   metrics = os.path.join(workdir, "metrics.jsonl")
   deadline = time.monotonic() + timeout_s
   while not (os.path.exists(metrics) and any(wanted(r) for r in read_records(metrics))):
-    assert alive(), "the job ended before its first steps"
-    assert time.monotonic() < deadline, f"no such row of {metrics} in {timeout_s:g} s"
+    assert alive(), f"the job ended before its first steps\n{context()}"
+    assert time.monotonic() < deadline, f"no such row of {metrics} in {timeout_s:g} s\n{context()}"
     time.sleep(0.3)
 
 
@@ -120,7 +120,7 @@ def test_the_docs_sbatch_script_matches_the_launcher_and_scancel_leaves_one_chec
   job = submit(SCHEDULE)
   # Once step 1 is done, every task takes signals (the trainer's stop handler).
   wait_for_row(workdir, lambda r: r.get("step", -1) >= 1 and "loss" in r,
-               alive=lambda: slurm.running(job))
+               alive=lambda: slurm.running(job), context=slurm.logs)
   slurm.run("scancel", job)  # SIGTERM to every task, SIGKILL after KillWait
   ended_in = slurm.wait(job, local_slurm.KILL_WAIT_S)
   output = (tmp_path / f"slurm-{job}.out").read_text()
