@@ -8,6 +8,7 @@ the history of every run, and ``read_metrics`` gives the latest run's steps.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 from collections.abc import Callable
@@ -19,14 +20,22 @@ class MetricsWriter:
 
   Each line is written whole and flushed, so an interrupted run leaves only
   whole lines.
+
+  In a multi-process job only the speaking process writes (``enabled``, asked at each
+  write: ``Job.speaker`` changes when that process is lost). The others keep their last
+  ``BACKLOG`` rows: a speaker can be lost between a step that every process completed and
+  its row, so the next speaker first writes the rows it kept that come after the file's
+  last step record (an event row the lost speaker wrote after that record may appear
+  twice; ``read_metrics`` keeps one record per step).
   """
+
+  BACKLOG = 1000
 
   def __init__(self, workdir: str, enabled: bool | Callable[[], bool] = True):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._file = None
-    # In a multi-process job only the speaking process writes (``Job.speaker``): asked at
-    # each write, since it changes when that process is lost.
     self._enabled = enabled if callable(enabled) else (lambda: enabled)
+    self._kept: collections.deque[dict[str, Any]] = collections.deque(maxlen=self.BACKLOG)
     if self._enabled():
       self._open()
 
@@ -36,11 +45,23 @@ class MetricsWriter:
 
   def write(self, record: dict[str, Any]) -> None:
     if not self._enabled():
+      self._kept.append(record)
       return
     if self._file is None:  # this process speaks now: its predecessor was lost
       self._open()
+      for row in self._missing():
+        self._file.write(json.dumps(row) + "\n")
+      self._kept.clear()
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
+
+  def _missing(self) -> list[dict[str, Any]]:
+    """The kept rows after the last of them whose step the file has a record of (all of
+    them when it has none of their steps)."""
+    written = {row["step"] for row in _rows(self.path) if "event" not in row}
+    kept = list(self._kept)
+    known = [i for i, row in enumerate(kept) if "event" not in row and row["step"] in written]
+    return kept[known[-1] + 1:] if known else kept
 
   def event(self, name: str, **fields: Any) -> None:
     """An event row: ``{"event": name, **fields}``."""
@@ -104,6 +125,11 @@ def read_records(path: str) -> list[dict[str, Any]]:
   """Every row of a ``metrics.jsonl`` file (step records and events), in order."""
   with open(path, encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def _rows(path: str) -> list[dict[str, Any]]:
+  """``read_records``, or none when the file is not there."""
+  return read_records(path) if os.path.exists(path) else []
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

@@ -191,3 +191,23 @@ def test_the_lowest_live_process_speaks_for_the_job(tmp_path):
     writer.write({"step": 1})
   with open(tmp_path / "metrics.jsonl") as f:
     assert f.read().splitlines() == ['{"step": 0}', '{"step": 1}']
+
+
+def test_a_speaker_lost_before_writing_a_completed_steps_row_leaves_it_to_the_next(tmp_path):
+  """Process 0 completes step 2 with the others but is lost before writing its row: process 1
+  writes the rows it kept after the file's last step record (step 2 and the event after it)
+  before its own, and none twice."""
+  from ntp_jax.training.metrics import MetricsWriter, read_records
+  first, second = Job(0, 3), Job(1, 3)
+  writers = [MetricsWriter(str(tmp_path), enabled=lambda j=j: j.speaker) for j in (first, second)]
+  for step in (0, 1):
+    for writer in writers:
+      writer.write({"step": step})
+  writers[1].write({"step": 2})  # process 0 was lost before it wrote step 2's row
+  writers[1].write({"event": "recovered", "step": 3})
+  second.lost.add(0)
+  writers[1].write({"event": "process_lost", "step": 3})
+  writers[1].write({"step": 3})
+  assert read_records(str(tmp_path / "metrics.jsonl")) == [
+      {"step": 0}, {"step": 1}, {"step": 2}, {"event": "recovered", "step": 3},
+      {"event": "process_lost", "step": 3}, {"step": 3}]
