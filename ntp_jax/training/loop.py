@@ -484,10 +484,16 @@ class TrainingRun:
     steps commit, a vote that the move ended in every live process: its collectives cross
     processes, and a peer lost inside them leaves the new state unusable.
 
+    Every live process first arrives at the move: a peer lost since the loss being taken
+    over (it has not arrived when the heartbeat names it) is met there, before any of the
+    move's collectives, rather than inside one (gloo waits 30 s to connect to a dead peer).
+
     Raises:
-      ProcessLost: a peer was lost during the move (agreed); the old programs are intact
-        (nothing of them is donated), ``process_lost`` starts again from them.
+      ProcessLost: a peer was lost before or during the move (agreed); the old programs are
+        intact (nothing of them is donated), ``process_lost`` starts again from them.
     """
+    if self.guard.commits(self.state.plan, self.zero):
+      self._arrive("move")
     error = None
     try:
       build()
