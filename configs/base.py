@@ -110,6 +110,11 @@ def get_config() -> ml_collections.ConfigDict:
   # JAX's coordination service runs outside the workers (python -m ntp_jax.coordinator; the
   # launcher sets this itself), so that process 0 can be lost like any other
   c.distributed.external_coordinator = False
+  # The devices this process drives (jax.distributed's local_device_ids): "" JAX's choice
+  # (every device it sees; under SLURM or Open MPI on GPU only the one of its local rank),
+  # "all" every device it sees (srun --gpus-per-task=1 binds one; a process per node sees its
+  # node's), or ids "0,1,2,3" (docs/multihost.md)
+  c.distributed.local_device_ids = ""
 
   c.compile = ml_collections.ConfigDict()
   # JAX's persistent compilation cache (a restart loads its programs): a folder, "none", or ""

@@ -69,6 +69,31 @@ class Settings:
   recoverable: bool = False
   collective_timeout_s: float = 0.0  # 0: collective_timeout_s(heartbeat_timeout_s)
   external_service: bool = False  # JAX's coordination service runs outside the workers
+  # The devices this process drives: None JAX's choice, () every device it sees, or ids
+  local_device_ids: tuple[int, ...] | None = None
+
+
+def local_device_ids(text: str) -> tuple[int, ...] | None:
+  """``distributed.local_device_ids``: ``""`` -> None (JAX's choice: under SLURM or Open MPI
+  on GPU, the one device of the process's local rank), ``"all"`` -> ``()`` (no restriction:
+  every device the process sees), ``"0,1"`` -> ``(0, 1)``.
+
+  Raises:
+    ConfigError: anything else, naming the field.
+  """
+  text = text.strip()
+  if not text:
+    return None
+  if text == "all":
+    return ()
+  try:
+    ids = tuple(int(part) for part in text.split(","))
+  except ValueError:
+    ids = ()
+  if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+    raise ConfigError(f"distributed.local_device_ids: expected \"\", \"all\" or distinct "
+                      f"device ids like \"0,1\", got {text!r}")
+  return ids
 
 
 def settings_from_config(distributed: Any, environ: dict[str, str] | None = None
@@ -104,12 +129,14 @@ def settings_from_config(distributed: Any, environ: dict[str, str] | None = None
     if not 0 <= pid < num:
       raise ConfigError(f"distributed.process_id: must be in 0..{num - 1}, got {pid}")
     return Settings(coordinator, num, pid, timeout, per_domain, distributed.recoverable,
-                    distributed.collective_timeout_s, _external_service(distributed, env))
+                    distributed.collective_timeout_s, _external_service(distributed, env),
+                    local_device_ids(getattr(distributed, "local_device_ids", "")))
   if num == 1:
     return None
   if _cluster_processes(env) > 1:
     return Settings(None, None, None, timeout, per_domain, distributed.recoverable,
-                    distributed.collective_timeout_s, _external_service(distributed, env))
+                    distributed.collective_timeout_s, _external_service(distributed, env),
+                    local_device_ids(getattr(distributed, "local_device_ids", "")))
   return None
 
 
@@ -253,9 +280,11 @@ def initialize(settings: Settings) -> str | None:
     jax.config.update("jax_enable_recoverability", True)
   # With the service outside (processes.service), process 0 joins it as a client only.
   with no_service_in_process_0() if settings.external_service else contextlib.nullcontext():
+    # An empty list is not None, so JAX's cluster detection leaves it: no restriction.
+    ids = None if settings.local_device_ids is None else list(settings.local_device_ids)
     jax.distributed.initialize(
         settings.coordinator, settings.num_processes, settings.process_id,
-        heartbeat_timeout_seconds=jax_heartbeat_s(settings))
+        local_device_ids=ids, heartbeat_timeout_seconds=jax_heartbeat_s(settings))
   return note
 
 

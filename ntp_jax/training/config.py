@@ -29,6 +29,7 @@ from typing import Any
 
 from ntp_jax.errors import ConfigError
 from ntp_jax.parallel.plan import REBALANCE
+from ntp_jax.processes.distributed import local_device_ids
 from ntp_jax.resilience.events import Event, check_events, parse_events
 
 PRECOMPILE = ("auto", "next_failure", "none")  # ``ntp.precompile`` (ntp_jax.training.precompile)
@@ -121,6 +122,8 @@ class DistributedConfig:
   collective_timeout_s: float = 0.0
   # JAX's coordination service runs outside the workers (python -m ntp_jax.coordinator)
   external_coordinator: bool = False
+  # The devices this process drives: "" JAX's choice, "all", or ids "0,1" (local_device_ids)
+  local_device_ids: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +214,9 @@ class RunConfig:
         jit_checkpoint_s=reader.float("distributed.jit_checkpoint_s", low=0.0),
         recoverable=reader.bool("distributed.recoverable"),
         collective_timeout_s=reader.float("distributed.collective_timeout_s", low=0.0),
-        external_coordinator=reader.bool("distributed.external_coordinator"))
+        external_coordinator=reader.bool("distributed.external_coordinator"),
+        local_device_ids=reader.str("distributed.local_device_ids"))
+    local_device_ids(distributed.local_device_ids)  # a bad value: one line, on any process count
     data = DataConfig(path=reader.str("data.path"),
                       max_corpus_bytes=reader.int("data.max_corpus_bytes", low=1),
                       val_fraction=reader.float("data.val_fraction", low=0.0))

@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+from helpers import micro_config
 
 from ntp_jax.launch import _pump, is_chatter, strip_chatter
 
@@ -190,3 +191,26 @@ def test_jax_heartbeat_is_ours_with_room_except_in_a_recoverable_gpu_job(monkeyp
   monkeypatch.setenv("JAX_PLATFORMS", "cuda")
   assert jax_heartbeat_s(settings) == 10
   assert jax_heartbeat_s(dataclasses.replace(settings, recoverable=False)) == 45
+
+
+def test_local_device_ids_reach_jax_distributed_and_bad_ones_are_one_line(monkeypatch):
+  """``distributed.local_device_ids``: "" leaves JAX's choice (under SLURM or Open MPI on GPU,
+  the local rank's one device), "all" lifts it (an empty list, which JAX's cluster detection
+  leaves alone), ids pass as they are; anything else is one line naming the field."""
+  import jax
+
+  from ntp_jax.errors import ConfigError
+  from ntp_jax.processes import distributed
+  from ntp_jax.training.config import RunConfig
+  seen = []
+  monkeypatch.setattr(jax.distributed, "initialize",
+                      lambda *args, **kwargs: seen.append(kwargs["local_device_ids"]))
+  srun = {"SLURM_STEP_NUM_TASKS": "2"}
+  for text, ids in [("", None), ("all", []), ("0,2", [0, 2])]:
+    config = micro_config("/tmp/unused", **{"distributed.local_device_ids": text})
+    settings = distributed.settings_from_config(RunConfig.from_config(config).distributed, srun)
+    distributed.initialize(settings)
+    assert seen[-1] == ids, text
+  for bad in ("gpu0", "1,1", "-1"):
+    with pytest.raises(ConfigError, match=f"^distributed.local_device_ids: .*got '{bad}'$"):
+      RunConfig.from_config(micro_config("/tmp/unused", **{"distributed.local_device_ids": bad}))
