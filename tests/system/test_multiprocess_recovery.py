@@ -202,6 +202,30 @@ def _child_of(launcher: int, process: int) -> int:
   raise LookupError(f"no process {process} under the launcher {launcher}")
 
 
+def _four_killed(workdir, settings, kills, rng, env, apart_s=None) -> tuple[int, str]:
+  """4 processes under ``launch --run-on`` (``train_with_hooks.py``), killed from outside as
+  ``_kill_when`` says; returns the launcher's status and its output. The launcher's process
+  group is killed if it outlives its 400 s."""
+  command = [sys.executable, "-m", "ntp_jax.launch", "--processes=4", "--run-on", "--",
+             *_args(workdir, settings, "tests/programs/train_with_hooks.py")]
+  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env=env)
+  lines: list = []
+  reader = threading.Thread(target=lambda: lines.extend(
+      (time.monotonic(), line.rstrip()) for line in launcher.stdout), daemon=True)
+  reader.start()
+  try:
+    _kill_when(launcher, lines, kills, rng, apart_s=apart_s)
+    status = launcher.wait(timeout=400)
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+      launcher.wait()
+  reader.join(timeout=10)
+  return status, "\n".join(line for _, line in lines)
+
+
 @pytest.mark.parametrize("seed", [0])
 def test_processes_killed_from_outside_inside_steps_leave_their_replicas_at_a_lower_degree(
     tmp_path, seed):
@@ -220,24 +244,8 @@ def test_processes_killed_from_outside_inside_steps_leave_their_replicas_at_a_lo
   settings = {**BASE, **constant, "checkpoint.every": 0, "distributed.recoverable": True,
               "distributed.heartbeat_timeout_s": HEARTBEAT_S,
               "distributed.processes_per_domain": 2, "ntp.precompile": "next_failure"}
-  command = [sys.executable, "-m", "ntp_jax.launch", "--processes=4", "--run-on", "--",
-             *_args(workdir, settings, "tests/programs/train_with_hooks.py")]
-  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                              env=process_env(NTP_JAX_WAIT_FOR_AHEAD="1"))
-  lines: list = []
-  reader = threading.Thread(target=lambda: lines.extend(
-      (time.monotonic(), line.rstrip()) for line in launcher.stdout), daemon=True)
-  reader.start()
-  try:
-    _kill_when(launcher, lines, [(0, 4), (3, 8)], random.Random(seed))
-    status = launcher.wait(timeout=400)
-  finally:
-    if launcher.poll() is None:
-      os.killpg(launcher.pid, signal.SIGKILL)
-      launcher.wait()
-  reader.join(timeout=10)
-  output = "\n".join(line for _, line in lines)
+  status, output = _four_killed(workdir, settings, [(0, 4), (3, 8)], random.Random(seed),
+                                env=process_env(NTP_JAX_WAIT_FOR_AHEAD="1"))
   assert status == 0, output[-4000:]
   said = [line for line in output.splitlines() if " exited with status " in line]
   assert said == [f"[launch] process {p} exited with status 137; the others run on"
@@ -273,24 +281,8 @@ def test_two_processes_of_different_replicas_killed_a_second_apart_are_survived_
   settings = {**BASE, **constant, "checkpoint.every": 0, "distributed.recoverable": True,
               "distributed.heartbeat_timeout_s": HEARTBEAT_S,
               "distributed.processes_per_domain": 2}
-  command = [sys.executable, "-m", "ntp_jax.launch", "--processes=4", "--run-on", "--",
-             *_args(workdir, settings, "tests/programs/train_with_hooks.py")]
-  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                              env=process_env())
-  lines: list = []
-  reader = threading.Thread(target=lambda: lines.extend(
-      (time.monotonic(), line.rstrip()) for line in launcher.stdout), daemon=True)
-  reader.start()
-  try:
-    _kill_when(launcher, lines, [(0, 4), (3, 4)], random.Random(seed), apart_s=1.0)
-    status = launcher.wait(timeout=400)
-  finally:
-    if launcher.poll() is None:
-      os.killpg(launcher.pid, signal.SIGKILL)
-      launcher.wait()
-  reader.join(timeout=10)
-  output = "\n".join(line for _, line in lines)
+  status, output = _four_killed(workdir, settings, [(0, 4), (3, 4)], random.Random(seed),
+                                env=process_env(), apart_s=1.0)
   assert status == 0, output[-4000:]
   records = _equal_losses(workdir, expected, steps=steps)
   lost = [p for r in records if r.get("event") == "process_lost" for p in r["processes"]]
