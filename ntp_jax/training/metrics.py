@@ -56,9 +56,12 @@ class MetricsWriter:
     self._file.flush()
 
   def _missing(self) -> list[dict[str, Any]]:
-    """The kept rows after the last of them whose step the file has a record of (all of
-    them when it has none of their steps)."""
-    written = {row["step"] for row in _rows(self.path) if "event" not in row}
+    """The kept rows after the last of them whose step the file has a record of since this
+    run began (its ``start`` or ``resume`` row; all of them when it has none of their
+    steps)."""
+    rows = _rows(self.path)
+    begun = [i for i, row in enumerate(rows) if row.get("event") in ("start", "resume")]
+    written = {row["step"] for row in rows[begun[-1] if begun else 0:] if "event" not in row}
     kept = list(self._kept)
     known = [i for i, row in enumerate(kept) if "event" not in row and row["step"] in written]
     return kept[known[-1] + 1:] if known else kept

@@ -211,3 +211,21 @@ def test_a_speaker_lost_before_writing_a_completed_steps_row_leaves_it_to_the_ne
   assert read_records(str(tmp_path / "metrics.jsonl")) == [
       {"step": 0}, {"step": 1}, {"step": 2}, {"event": "recovered", "step": 3},
       {"event": "process_lost", "step": 3}, {"step": 3}]
+
+
+def test_the_next_speaker_counts_only_the_rows_of_this_run(tmp_path):
+  """A resumed run: the file holds step 2 from the run before, not from this one; the next
+  speaker still writes this run's step 2 that the lost speaker missed."""
+  from ntp_jax.training.metrics import MetricsWriter, read_records
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"event": "start"}\n{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+  first, second = Job(0, 2), Job(1, 2)
+  writers = [MetricsWriter(str(tmp_path), enabled=lambda j=j: j.speaker) for j in (first, second)]
+  for writer in writers:
+    writer.write({"event": "resume", "step": 1})
+    writer.write({"step": 1})
+  writers[1].write({"step": 2})  # process 0 was lost before it wrote this run's step 2
+  second.lost.add(0)
+  writers[1].write({"step": 3})
+  assert read_records(str(path))[4:] == [{"event": "resume", "step": 1}, {"step": 1},
+                                         {"step": 2}, {"step": 3}]
