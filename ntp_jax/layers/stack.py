@@ -2,10 +2,12 @@
 
 ``n`` identical layers hold each parameter once, with a layer axis: a
 replicated variable is ``[n, ...]``; a ``TPParam`` keeps its slot axis first
-and is ``[degree, n, ...]`` (logical ``[n, ...]``, ``tp_axis`` one higher),
-so placement, checkpoints, the gradient sync and the optimizer treat it as
-any other split parameter. Running the stack under ``jax.lax.scan`` compiles
-the layer once: compile time and program size do not grow with depth.
+and is ``[degree, n, ...]`` (logical ``[n, ...]``, ``tp_axis`` one higher,
+``layers`` metadata ``n``), so placement and checkpoints treat it as any other
+split parameter, and the gradient sync lays it out layer by layer
+(``sync_leaf.SplitSync``: no index past one layer's block). Running the stack
+under ``jax.lax.scan`` compiles the layer once: compile time and program size
+do not grow with depth.
 
 XLA's cost analysis counts a loop body once, so flop counts come from the
 unrolled form (``scan=False``), which runs the same parameters.
@@ -63,7 +65,7 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int,
   for _, v in nnx.iter_graph(layers):
     if isinstance(v, TPParam):  # slot axis back in front of the layer axis
       v.set_value(jnp.moveaxis(v.get_value(), 0, 1))
-      v.set_metadata(tp_axis=v.tp_axis + 1)
+      v.set_metadata(tp_axis=v.tp_axis + 1, layers=n)
   return layers
 
 

@@ -279,9 +279,10 @@ class SplitStep:
   """A class among several: the gradient half and the update half (a ``ClassStep``).
 
   Attributes:
-    grad: jitted ``(params, batch) -> buffers``: ``dtype -> [replicas, degree, L]``
-      (``P('dp', 'tp')``), every parameter's sync block packed into one flat
-      buffer per dtype, the replica's loss share last in the ``float32`` one.
+    grad: jitted ``(params, batch) -> buffers``: ``name -> [replicas, degree, L]``, or
+      ``[replicas, degree, layers, L]`` for stacked layers (``P('dp', 'tp')``), every
+      parameter's sync block packed into one buffer per ``SyncLeaf.buffer``, the
+      replica's loss share last in the ``float32`` one.
     micro_grad: jitted ``(params, batch, start, *, size) -> buffers``: as ``grad`` for
       one micro-batch, rows ``start : start + size`` of each replica's share
       (``start`` an int32 scalar, the same for every replica; ``size`` static), for
@@ -335,8 +336,9 @@ class SplitStep:
     (``sync.regroup_plan``; default near-equal runs).
 
     Raises:
-      OverflowError: a parameter's sync packing would index more than ``2**31 - 1``
-        elements on one device (``sync_leaf.int32_overrun``), found from shapes.
+      OverflowError: a parameter's sync packing or a buffer's row would index more than
+        ``2**31 - 1`` elements on one device (``sync_leaf.int32_overrun``: one layer's,
+        for stacked layers), found from shapes.
     """
     specs = replica_specs(params)
     degree = mesh.devices.shape[1]

@@ -17,8 +17,10 @@ the walkers here loop over those descriptors. Three phases per step:
 1. inside each scale-up domain, every replica moves its gradient blocks from
    its own layout to the sync positions (``collectives.reshard_uneven``:
    only the elements that change device move; replicated parameters are
-   cut locally) and packs them into one flat buffer per dtype and device,
-   its loss share last (``pack_buffers``);
+   cut locally) and packs them into one buffer per dtype and device, its
+   loss share last (``pack_buffers``); stacked layers' parameters go layer
+   by layer into a ``[layers, L]`` buffer of their own, so every index
+   stays within one layer's elements at any depth (``sync_leaf``);
 2. across domains, each *peer group* (core slot ``j`` of every live replica)
    all-reduces its buffers: one program over a ``('replica', 'peer')`` mesh
    of the core devices, assembled from the class programs' per-device
@@ -50,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ntp_jax.parallel.regroup import Regroup, choose_regroup
-from ntp_jax.parallel.sync_leaf import SplitSync, SyncLeaf, sync_leaves
+from ntp_jax.parallel.sync_leaf import LOSS_DTYPE, SplitSync, SyncLeaf, sync_leaves
 from ntp_jax.sharding.layout import Layout
 from ntp_jax.sharding.topology import holds_mine, is_mine, mine
 
@@ -86,9 +88,6 @@ def from_sync_blocks(blocks: dict, template: nnx.State, leaves: Sequence[SyncLea
   return nnx.from_flat_state(restored)
 
 
-LOSS_DTYPE = "float32"  # the buffer that also carries the replica's loss (its last element)
-
-
 def regroup_plan(class_leaves: Sequence[tuple[Sequence[SyncLeaf], int]],
                  t_min: int) -> dict[str, Regroup]:
   """``path -> Regroup`` of every split parameter, chosen over all classes (``choose_regroup``).
@@ -107,33 +106,33 @@ def regroup_plan(class_leaves: Sequence[tuple[Sequence[SyncLeaf], int]],
 
 def pack_buffers(blocks: dict, loss: jax.Array,
                  leaves: Sequence[SyncLeaf]) -> dict[str, jax.Array]:
-  """Sync blocks (``path -> [1, n]``) -> one flat buffer per parameter dtype
-  (``dtype -> [1, L]``).
+  """Sync blocks (``path -> [1, n]``, stacked ``[1, layers, n]``) -> one buffer per
+  ``SyncLeaf.buffer`` (``name -> [1, L]`` or ``[1, layers, L]``).
 
   ``leaves``: the class's ``sync_leaves``: each block joins the buffer of its parameter's
-  dtype, whatever its own (a float32 tree laid out as bfloat16 parameters, master weights
-  or moments, keeps its values in buffers of the gradients' layout; ``unpack_buffers``).
-  The ``float32`` buffer ends with ``loss`` (this replica's loss share), so
-  the peer-group all-reduce also sums the job's loss.
+  dtype (and depth), whatever its own (a float32 tree laid out as bfloat16 parameters,
+  master weights or moments, keeps its values in buffers of the gradients' layout;
+  ``unpack_buffers``). The ``float32`` buffer ends with ``loss`` (this replica's loss
+  share), so the peer-group all-reduce also sums the job's loss.
   """
   groups: dict[str, list[jax.Array]] = {}
   for leaf in leaves:
-    groups.setdefault(leaf.dtype, []).append(blocks[leaf.key])
+    groups.setdefault(leaf.buffer, []).append(blocks[leaf.key])
   groups.setdefault(LOSS_DTYPE, []).append(loss.astype(LOSS_DTYPE).reshape(1, 1))
-  return {name: jnp.concatenate(parts, axis=1) for name, parts in groups.items()}
+  return {name: jnp.concatenate(parts, axis=-1) for name, parts in groups.items()}
 
 
 def unpack_buffers(buffers: dict[str, jax.Array], leaves: Sequence[SyncLeaf]) -> dict:
-  """Inverse of ``pack_buffers``: ``dtype -> [1, L]`` -> ``path -> [1, n]`` (the loss dropped).
+  """Inverse of ``pack_buffers`` (the loss dropped).
 
   ``leaves``: the class's ``sync_leaves``, in the order the blocks were packed.
   """
   offsets = dict.fromkeys(buffers, 0)
   out = {}
   for leaf in leaves:
-    start = offsets[leaf.dtype]
-    out[leaf.key] = jax.lax.slice_in_dim(buffers[leaf.dtype], start, start + leaf.block, axis=1)
-    offsets[leaf.dtype] += leaf.block
+    start = offsets[leaf.buffer]
+    out[leaf.key] = buffers[leaf.buffer][..., start:start + leaf.block]
+    offsets[leaf.buffer] += leaf.block
   return out
 
 
@@ -157,8 +156,8 @@ class OuterShards:
 class CrossClassSync:
   """Phase 2: all-reduce of the core slots' flat buffers over every live replica.
 
-  One buffer per dtype and device: the host-side work per step is a few
-  calls per local device, whatever the parameter count. In a multi-process
+  A few buffers per device (one per dtype and stack of layers): the host-side
+  work per step is a few calls per local device, whatever the parameter count. In a multi-process
   job each process hands over the buffers of its own devices and every
   process holding a core slot runs the one all-reduce program.
 
@@ -178,9 +177,10 @@ class CrossClassSync:
         lambda x: jax.lax.psum(x, REPLICA), mesh=self.mesh,
         in_specs=P(REPLICA, PEER), out_specs=P(REPLICA, PEER)))
 
-  def _stacked_shape(self, array) -> tuple[int, int, int]:
-    """The all-reduce's argument for one dtype: ``[live replicas, t_min, L]``."""
-    return (self.mesh.devices.shape[0], self.t_min, array.shape[2])
+  def _stacked_shape(self, array) -> tuple[int, ...]:
+    """The all-reduce's argument for one buffer: ``[live replicas, t_min, L]`` (stacked
+    parameters': ``[live replicas, t_min, layers, L]``)."""
+    return (self.mesh.devices.shape[0], self.t_min, *array.shape[2:])
 
   def lower(self, class_blocks: list[dict[str, jax.ShapeDtypeStruct]]) -> jax.stages.Lowered:
     """The all-reduce program, lowered for the classes' abstract sync buffers
@@ -192,10 +192,11 @@ class CrossClassSync:
 
   def stack(self, class_buffers: list[dict | None], sharding: NamedSharding | None = None
             ) -> dict[str, jax.Array] | None:
-    """The core devices' buffers as one array per dtype, ``[live replicas, t_min, L]``, no copy.
+    """The core devices' buffers as one array per buffer name, ``[live replicas, t_min, ...,
+    L]``, no copy.
 
     Args:
-      class_buffers: per class, ``dtype -> [replicas, degree, L]`` arrays
+      class_buffers: per class, ``name -> [replicas, degree, ..., L]`` arrays
         (``P('dp', 'tp')`` on the class mesh), or None for a class with no
         device in this process.
       sharding: of the result over the same devices in the same order (default
@@ -263,7 +264,7 @@ class CrossClassSync:
     """Sum each buffer over all live replicas.
 
     Args:
-      class_buffers: per class, ``dtype -> [replicas, degree, L]`` arrays
+      class_buffers: per class, ``name -> [replicas, degree, ..., L]`` arrays
         (``P('dp', 'tp')`` on the class mesh), or None for a class with no
         device in this process.
 
@@ -304,5 +305,5 @@ def sync_traffic(plan, abstract_params_by_class: list[nnx.State], itemsize: int 
       intra += leaf.intra_domain_bytes(len(c.replicas), itemsize)
       if c.index == 0:
         logical += leaf.numel * itemsize
-        cross += int(2 * (live - 1) / live * leaf.block * itemsize) * t_min * live
+        cross += int(2 * (live - 1) / live * leaf.position_size * itemsize) * t_min * live
   return {"intra_domain": intra, "cross_replica": cross, "logical": logical}

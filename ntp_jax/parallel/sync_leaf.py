@@ -6,9 +6,19 @@ Each parameter is described once per (parameter structure, TP degree,
 for a variable every slot holds whole (norm scales). Both give the length of
 the parameter's sync block and move a local gradient to it and back inside
 a class ``shard_map`` body, so the walkers in ``sync`` only loop over the
-descriptors. ``sync_leaves`` builds them from a class's local parameter
-state (shapes suffice) and keeps them for the next step maker or traffic
-count that asks with the same structure.
+descriptors.
+
+``sync_leaves`` builds them from a class's local parameter state (shapes
+suffice) and keeps them for the next step maker or traffic count that asks
+with the same structure.
+
+A stacked parameter (``layers.stack``: ``layers`` metadata ``n``) is laid out
+layer by layer: its sync block is ``[n, block]``, each layer flattened and
+regrouped alone, and it joins a buffer of its own (``SyncLeaf.buffer``,
+``[n, L]``). So no index, in the packing or in the sharded optimizer, runs
+past one layer's elements at any depth: flattened whole, Llama-3-70B's
+``mlp/down/kernel`` would be indexed to 4.7e9 per device at TP degree 7;
+one layer's run is 5.9e7.
 """
 
 from __future__ import annotations
@@ -65,6 +75,20 @@ def path_key(path: tuple) -> str:
   return "/".join(str(p) for p in path)
 
 
+LOSS_DTYPE = "float32"  # the buffer that also carries the replica's loss (its last element)
+
+
+def buffer_name(dtype: str, layers: int = 0) -> str:
+  """The sync buffer of a parameter of ``dtype`` (name) and ``layers`` stacked layers (0: not
+  stacked): ``"bfloat16"`` (``[L]`` per position), ``"bfloat16/80 layers"`` (``[80, L]``)."""
+  return f"{dtype}/{layers} layers" if layers else dtype
+
+
+def buffer_dtype(name: str) -> str:
+  """The element dtype (name) of the sync buffer ``name`` (``buffer_name``)."""
+  return name.split("/")[0]
+
+
 def _traced_once(method):
   """``method(self, x)`` of a descriptor as a nested jit with ``self`` static (XLA inlines
   it): traced once per equal descriptor and input type, then reused by the gradient half,
@@ -97,11 +121,13 @@ class SplitSync:
 
   Attributes:
     key: the parameter's path (``path_key``). dtype: its dtype name.
-    shape: one device's block without the slot axis (the split axis ``block`` long).
-    layout, axis: the parameter's TP layout and split axis (block coordinates).
+    shape: one device's block of one layer, without the slot axis (the split axis
+      ``block`` long).
+    layout, axis: the parameter's TP layout and split axis (one layer's block coordinates).
     degree: the class's TP degree.
-    flat: ``flat_layout`` of the parameter (elements, shared units on the last slot).
+    flat: ``flat_layout`` of one layer (elements, shared units on the last slot).
     regroup: its sync positions (the same for every class).
+    layers: stacked layers (``layers.stack``), each synced alone; 0: not stacked.
   """
 
   key: str
@@ -112,16 +138,41 @@ class SplitSync:
   degree: int
   flat: Layout
   regroup: Regroup
+  layers: int = 0
 
   @property
   def block(self) -> int:
-    """Elements of this parameter in one position's sync buffer."""
+    """Elements of one layer of this parameter in one position's sync buffer."""
     return self.regroup.block
 
   @property
   def numel(self) -> int:
-    """Logical elements of the parameter."""
-    return self.flat.size
+    """Logical elements of the parameter (every layer)."""
+    return self.flat.size * max(self.layers, 1)
+
+  @property
+  def buffer(self) -> str:
+    """The sync buffer this parameter joins (``buffer_name``)."""
+    return buffer_name(self.dtype, self.layers)
+
+  @property
+  def position_size(self) -> int:
+    """Elements of this parameter in one position's sync buffer (every layer)."""
+    return self.block * max(self.layers, 1)
+
+  def to_block(self, value: jax.Array) -> jax.Array:
+    """Inside the body: this device's gradient block ``[1, *shape]`` -> ``[1, block]``
+    (stacked: ``[1, layers, *shape]`` -> ``[1, layers, block]``, layer by layer)."""
+    if not self.layers:
+      return self._layer_to_block(value)
+    return jax.vmap(self._layer_to_block, in_axes=1, out_axes=1)(value)
+
+  def from_block(self, block: jax.Array) -> jax.Array:
+    """Inside the body: synced ``[1, block]`` -> the gradient block ``[1, *shape]``
+    (stacked: ``[1, layers, block]`` -> ``[1, layers, *shape]``)."""
+    if not self.layers:
+      return self._layer_from_block(block)
+    return jax.vmap(self._layer_from_block, in_axes=1, out_axes=1)(block)
 
   @property
   def pieces(self) -> tuple[Layout, Layout | None]:
@@ -134,8 +185,8 @@ class SplitSync:
     return self.regroup.positions(self.flat)
 
   @_traced_once
-  def to_block(self, value: jax.Array) -> jax.Array:
-    """Inside the body: this device's gradient block ``[1, *shape]`` -> ``[1, block]``."""
+  def _layer_to_block(self, value: jax.Array) -> jax.Array:
+    """``to_block`` of one layer."""
     value = _last_slot_keeps_shared(value, self.layout, 1 + self.axis)
     # Split axis first, then flatten: the slot's elements are one contiguous run.
     run = jnp.moveaxis(value[0], self.axis, 0).reshape(-1)
@@ -150,8 +201,8 @@ class SplitSync:
     return jnp.concatenate(parts)[None]
 
   @_traced_once
-  def from_block(self, block: jax.Array) -> jax.Array:
-    """Inside the body: synced ``[1, block]`` -> the gradient block ``[1, *shape]``."""
+  def _layer_from_block(self, block: jax.Array) -> jax.Array:
+    """``from_block`` of one layer."""
     moved_shape = (self.shape[self.axis],) + tuple(
         n for i, n in enumerate(self.shape) if i != self.axis)
     src, regroup = self.flat, self.regroup
@@ -172,7 +223,8 @@ class SplitSync:
     moved = 2 * self.regroup.moved(self.flat) * itemsize * replicas  # there and back
     # Shared units come back to every slot by an all-reduce over the domain.
     shared = self.layout.shared_units * self.flat.unit_size
-    return moved + int(2 * (self.degree - 1) * shared * itemsize) * replicas
+    layer = moved + int(2 * (self.degree - 1) * shared * itemsize) * replicas
+    return layer * max(self.layers, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +250,14 @@ class ReplicatedSync:
   @property
   def numel(self) -> int:
     return int(np.prod(self.shape))
+
+  @property
+  def buffer(self) -> str:
+    return buffer_name(self.dtype, 0)
+
+  @property
+  def position_size(self) -> int:
+    return self.block
 
   @_traced_once
   def to_block(self, value: jax.Array) -> jax.Array:
@@ -225,20 +285,37 @@ class ReplicatedSync:
 
 SyncLeaf = SplitSync | ReplicatedSync
 
-# The longest array the sync's packing and the sharded optimizer index with int32 (JAX's
-# index type while ``jax_enable_x64`` is off).
+# The longest run the sync's packing and the sharded optimizer index with int32 (JAX's
+# index type while ``jax_enable_x64`` is off): one layer's, at any depth.
 INT32_MAX = 2 ** 31 - 1
 
 
+def buffer_shapes(leaves: tuple[SyncLeaf, ...], loss: bool = True) -> dict[str, tuple[int, ...]]:
+  """``buffer name -> shape`` of one position's sync buffers (``sync.pack_buffers``):
+  ``(L,)``, or ``(layers, L)`` for stacked parameters; ``loss``: the float32 buffer ends
+  with the replica's loss (one element)."""
+  lengths: dict[str, int] = {LOSS_DTYPE: 1} if loss else {}
+  rows: dict[str, int] = {}
+  for leaf in leaves:
+    lengths[leaf.buffer] = lengths.get(leaf.buffer, 0) + leaf.block
+    rows[leaf.buffer] = getattr(leaf, "layers", 0)
+  return {name: ((rows[name],) if rows.get(name) else ()) + (n,)
+          for name, n in lengths.items()}
+
+
 def int32_overrun(leaves: tuple[SyncLeaf, ...]) -> tuple[str, int] | None:
-  """``(parameter path, elements)`` of the first parameter whose sync packing on one device
-  indexes more than ``INT32_MAX`` elements (a split parameter's run on its slot plus its
-  extra piece; a replicated one's elements plus its run), or None when every one fits.
-  Such a split step cannot be built: its index arithmetic is int32."""
+  """``(what, elements)`` of the first run the split step would index past ``INT32_MAX``
+  elements on one device: a parameter's packing (one layer's run on its slot plus its extra
+  piece; a replicated one's elements plus its run), or a buffer's row (``buffer_shapes``),
+  which the sharded optimizer cuts into pieces; None when every one fits. The one place
+  the bound is known: the split step's index arithmetic is int32."""
   for leaf in leaves:
     indexed = (leaf.flat.block if isinstance(leaf, SplitSync) else leaf.numel) + leaf.block
     if indexed > INT32_MAX:
       return leaf.key, indexed
+  for name, shape in buffer_shapes(leaves).items():
+    if shape[-1] > INT32_MAX:
+      return f"the {name} sync buffer", shape[-1]
   return None
 
 
@@ -263,7 +340,7 @@ def sync_leaves(params: nnx.State, degree: int, t_min: int,
   signature = tuple(
       (path_key(path), isinstance(v, TPParam), tuple(v.get_value().shape),
        jnp.dtype(v.get_value().dtype).name,
-       (v.tp_layout, v.tp_axis) if isinstance(v, TPParam) else None)
+       (v.tp_layout, v.tp_axis, getattr(v, "layers", 0)) if isinstance(v, TPParam) else None)
       for path, v in nnx.to_flat_state(params))
   return _sync_leaves(signature, degree, t_min, tuple(sorted((regroups or {}).items())))
 
@@ -277,11 +354,14 @@ def _sync_leaves(signature: tuple, degree: int, t_min: int,
   out: list[SyncLeaf] = []
   for key, split, shape, dtype, tp in signature:
     if split:
-      layout, axis = tp
+      layout, axis, layers = tp
       block_shape = shape[1:]  # drop the slot axis
+      if layers:  # one layer's block: the layer axis leads
+        block_shape, axis = block_shape[1:], axis - 1
       flat = flat_layout(layout, int(np.prod(block_shape)) // layout.block)
       regroup = chosen.get(key) or equal_regroup(flat.size, t_min)
-      out.append(SplitSync(key, dtype, block_shape, layout, axis, degree, flat, regroup))
+      out.append(SplitSync(key, dtype, block_shape, layout, axis, degree, flat, regroup,
+                           layers))
     else:
       out.append(ReplicatedSync(key, dtype, shape, degree,
                                 replicated_layout(int(np.prod(shape)), degree, t_min)))

@@ -3,9 +3,10 @@ gradients) split over the replicas of each peer group.
 
 After the sync's phase 1 (``sync.to_sync_blocks``, ``sync.pack_buffers``) core
 slot ``j`` of every live replica, whatever its TP degree, holds its gradient
-in the same flat layout: one buffer per dtype, ``L`` elements, every logical
-element at exactly one position ``j``. The replicas of peer group ``j`` split
-that buffer into ``P`` pieces (``piece_count``); replica ``r`` holds piece
+in the same layout: one buffer per dtype (and stack of layers), ``L``
+elements (``[layers, L]``), every logical element at exactly one position
+``j``. The replicas of peer group ``j`` split each buffer along ``L`` into
+``P`` pieces (``piece_count``; every layer alike); replica ``r`` holds piece
 ``r % P``, so each piece is held by ``R / P >= copies`` replicas. Per piece a
 device keeps float32 master weights, the optimizer's state (Adam's moments
 follow the master weights: float32); which elements decay is a static
@@ -68,6 +69,7 @@ from optax import tree_utils
 
 from ntp_jax.parallel.master_weights import MASTER
 from ntp_jax.parallel.sync import LOSS_DTYPE, CrossClassSync
+from ntp_jax.parallel.sync_leaf import buffer_dtype
 from ntp_jax.sharding.topology import holds_mine
 
 COPY = "copy"  # axis of the piece mesh: the replicas holding one piece
@@ -124,7 +126,7 @@ DecayRuns = tuple[tuple[str, tuple[tuple[int, int], ...]], ...]
 
 
 def decay_runs(leaves: Sequence[Any], decays: Sequence[bool]) -> DecayRuns:
-  """Where the decayed parameters lie in each flat sync buffer: ``dtype -> ((start, stop),
+  """Where the decayed parameters lie along each sync buffer: ``name -> ((start, stop),
   ...)``, adjacent runs merged (the same at every core position: every parameter's
   ``SyncLeaf.block`` is).
 
@@ -135,11 +137,11 @@ def decay_runs(leaves: Sequence[Any], decays: Sequence[bool]) -> DecayRuns:
   runs: dict[str, list[list[int]]] = {}
   offsets: dict[str, int] = {}
   for leaf, decayed in zip(leaves, decays, strict=True):
-    start = offsets.get(leaf.dtype, 0)
-    offsets[leaf.dtype] = start + leaf.block
+    start = offsets.get(leaf.buffer, 0)
+    offsets[leaf.buffer] = start + leaf.block
     if not decayed or not leaf.block:
       continue
-    mine_runs = runs.setdefault(leaf.dtype, [])
+    mine_runs = runs.setdefault(leaf.buffer, [])
     if mine_runs and mine_runs[-1][1] == start:
       mine_runs[-1][1] = start + leaf.block
     else:
@@ -154,20 +156,27 @@ def runs_of(leaves: Sequence[Any], settings: ZeroSettings, params: Any) -> Decay
                              for _, v in nnx.to_flat_state(settings.decay_mask(params))])
 
 
-def state_bytes(buffer_lengths: dict[str, int], replicas: int, copies: int) -> int:
+def piece_elements(shape: Sequence[int], pieces: int) -> int:
+  """Elements of one piece of a sync buffer of one position's ``shape`` (``(L,)`` or
+  ``(layers, L)``) cut into ``pieces`` along its last axis."""
+  return int(np.prod(shape[:-1], dtype=np.int64)) * -(-shape[-1] // pieces)
+
+
+def state_bytes(buffer_shapes: dict[str, tuple[int, ...]], replicas: int, copies: int) -> int:
   """Bytes one core device holds of the sharded state (float32 master weights and two
   float32 Adam moments; the two int32 step counts left out), for sync buffers of
-  ``buffer_lengths`` (dtype name -> ``L``).
+  ``buffer_shapes`` (``sync_leaf.buffer_shapes``).
 
   Devices past the core slots hold none. For the memory plan.
   """
   pieces = piece_count(replicas, copies)
   item = np.dtype(MASTER_DTYPE).itemsize
-  return sum(-(-length // pieces) * 3 * item for length in buffer_lengths.values())
+  return sum(piece_elements(shape, pieces) * 3 * item for shape in buffer_shapes.values())
 
 
 def _lead(x):
-  """Inside the body: a piece ``[piece]`` -> its block ``[1, 1, piece]`` (scalars stay)."""
+  """Inside the body: a piece ``[..., piece]`` -> its block ``[1, 1, ..., piece]`` (scalars
+  stay)."""
   return x[None, None] if x.ndim else x
 
 
@@ -178,6 +187,11 @@ def _unlead(x):
 def _as_dtype(x, like):
   """``x`` in ``like``'s dtype (no program when it has it already)."""
   return x if x.dtype == like.dtype else x.astype(like.dtype)
+
+
+def _pad_last(x: jax.Array, length: int) -> jax.Array:
+  """``x`` padded with zeros to ``length`` along its last axis."""
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, length - x.shape[-1])])
 
 
 def replicated_scalar(value: Any, sharding: NamedSharding) -> jax.Array:
@@ -224,16 +238,16 @@ class ShardedOptimizer:
     return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(*args)
 
   def _scatter_fn(self, buffers: dict) -> dict:
-    """``dtype -> [R, t_min, L]`` -> each device's piece ``[R, t_min, ceil(L / P)]``, float32."""
-    pieces = self.pieces
+    """``name -> [R, t_min, ..., L]`` -> each device's piece ``[R, t_min, ..., ceil(L / P)]``,
+    float32 (stacked parameters' buffers are cut along ``L``, every layer alike)."""
 
     def body(local):
       out = {}
-      for name, x in local.items():  # x: [1, 1, L]
-        n = -(-x.shape[-1] // pieces)
-        padded = jnp.pad(x[0, 0], (0, n * pieces - x.shape[-1])).astype(MASTER_DTYPE)
+      for name, x in local.items():  # x: [1, 1, ..., L]
+        n = -(-x.shape[-1] // self.pieces)
+        padded = _pad_last(x[0, 0], n * self.pieces).astype(MASTER_DTYPE)
         out[name] = _lead(jax.lax.dynamic_slice_in_dim(
-            padded, jax.lax.axis_index(PIECE) * n, n))
+            padded, jax.lax.axis_index(PIECE) * n, n, axis=-1))
       return out
 
     return self._map(body, (PIECE_SPEC,), PIECE_SPEC, buffers)
@@ -244,8 +258,8 @@ class ShardedOptimizer:
     length = dict(lengths)
 
     def body(local):
-      return {name: _lead(jax.lax.all_gather(x[0, 0], PIECE, axis=0, tiled=True)
-                          [:length[name]]) for name, x in local.items()}
+      return {name: _lead(jax.lax.all_gather(x[0, 0], PIECE, axis=x.ndim - 3, tiled=True)
+                          [..., :length[name]]) for name, x in local.items()}
 
     return self._map(body, (PIECE_SPEC,), PIECE_SPEC, pieces)
 
@@ -260,12 +274,12 @@ class ShardedOptimizer:
 
     def body(local, give):
       out = {}
-      for name, x in local.items():  # x: [1, 1, n]
+      for name, x in local.items():  # x: [1, 1, ..., n]
         bits = jax.lax.bitcast_convert_type(x[0, 0], jnp.uint32)
         bits = jax.lax.psum(jnp.where(give[0, 0] > 0, bits, jnp.zeros_like(bits)), COPY)
         piece = jax.lax.bitcast_convert_type(bits, MASTER_DTYPE)
-        out[name] = _lead(jax.lax.all_gather(piece, PIECE, axis=0, tiled=True)
-                          [:length[name]])
+        out[name] = _lead(jax.lax.all_gather(piece, PIECE, axis=piece.ndim - 1, tiled=True)
+                          [..., :length[name]])
       return out
 
     return self._map(body, (PIECE_SPEC, PIECE_SPEC), PIECE_SPEC, pieces, givers)
@@ -289,24 +303,24 @@ class ShardedOptimizer:
     return {"master": params, "opt": opt}
 
   def _reduce_local(self, x: jax.Array) -> jax.Array:
-    """Inside a body: this device's ``[1, 1, L]`` buffer -> its piece summed over every
-    live replica of its peer group, float32 ``[ceil(L / P)]``."""
+    """Inside a body: this device's ``[1, 1, ..., L]`` buffer -> its piece summed over every
+    live replica of its peer group, float32 ``[..., ceil(L / P)]``."""
     n = -(-x.shape[-1] // self.pieces)
-    summed = jax.lax.psum_scatter(jnp.pad(x[0, 0], (0, n * self.pieces - x.shape[-1])), PIECE,
-                                  scatter_dimension=0, tiled=True)
+    summed = jax.lax.psum_scatter(_pad_last(x[0, 0], n * self.pieces), PIECE,
+                                  scatter_dimension=x.ndim - 3, tiled=True)
     return jax.lax.psum(summed, COPY).astype(MASTER_DTYPE)
 
   def _apply_local(self, summed: dict, lengths: dict, state: dict, loss: jax.Array
                    ) -> tuple[dict, dict, dict]:
     """Inside a body: clip by the global norm and update the pieces from the summed
-    gradient pieces ``summed`` (``dtype -> [n]``, the float32 buffer's loss element
+    gradient pieces ``summed`` (``name -> [..., n]``, the float32 buffer's loss element
     included), then all-gather the new master weights in each buffer's dtype."""
     settings = self.settings
     state = jax.tree.map(_unlead, state)
     piece = jax.lax.axis_index(PIECE)
     g, decays = {}, {}
     for name, x in summed.items():
-      n = x.shape[0]
+      n = x.shape[-1]
       # The float32 buffer ends with the replica's loss: no parameter of its own.
       data = lengths[name] - 1 if name == LOSS_DTYPE else lengths[name]
       index = piece * n + jnp.arange(n)
@@ -322,8 +336,9 @@ class ShardedOptimizer:
     decayed = {name: master[name] * decays[name] for name in master}
     updates, opt = settings.optimizer.update(g, state["opt"], decayed)
     master = optax.apply_updates(master, updates)
-    full = {name: _lead(jax.lax.all_gather(master[name].astype(name), PIECE, axis=0,
-                                           tiled=True)[:lengths[name]])
+    full = {name: _lead(jax.lax.all_gather(master[name].astype(buffer_dtype(name)), PIECE,
+                                           axis=master[name].ndim - 1,
+                                           tiled=True)[..., :lengths[name]])
             for name in master}
     new_state = jax.tree.map(_lead, {"master": master, "opt": opt})
     return full, new_state, {"loss": loss[None, None], "grad_norm": norm[None, None]}
@@ -362,7 +377,7 @@ class ShardedOptimizer:
 
     def body(total, state):
       summed = {name: _unlead(x) for name, x in total.items()}
-      last = summed[LOSS_DTYPE]
+      last = summed[LOSS_DTYPE]  # [n]: the loss buffer holds no stacked parameter
       index = jax.lax.axis_index(PIECE) * last.shape[0] + jnp.arange(last.shape[0])
       loss = jax.lax.psum(jnp.sum(jnp.where(index == length[LOSS_DTYPE] - 1, last, 0)), PIECE)
       return self._apply_local(summed, length, state, loss)
@@ -416,7 +431,7 @@ class ShardedOptimizer:
     """One update from the classes' gradient buffers (``SplitStep.gradients``).
 
     Returns:
-      Per class, the updated parameters as sync buffers (``dtype -> [replicas, degree,
+      Per class, the updated parameters as sync buffers (``name -> [replicas, degree, ...,
       L]``, None for another process's class: for ``SplitStep.unpack``); the new state
       (``state`` donated); the job's ``loss`` and ``grad_norm`` (f32 scalars). A process
       with no core device runs no program here: its state and metrics are None and its
@@ -432,7 +447,7 @@ class ShardedOptimizer:
     """zero2: one micro-batch's gradient buffers (per class, as for ``step``; a class with
     no micro-batch left gives zeros) reduce-scattered and added to ``total`` (donated; None
     for the first micro-batch). Returns the summed pieces, float32 ``[live replicas,
-    t_min, ceil(L / pieces)]`` per dtype (None in a process with no core device)."""
+    t_min, ..., ceil(L / pieces)]`` per buffer (None in a process with no core device)."""
     stacked = self.sync.stack(class_buffers, self.sharding)
     return None if stacked is None else self._accumulate(stacked, total)
 
@@ -554,7 +569,7 @@ class ShardedOptimizer:
 
     Args:
       class_blocks: each class's sync buffers (``steps.abstract_sync_blocks``:
-        ``dtype -> [replicas, degree, L]``); only their dtypes and ``L`` are read.
+        ``name -> [replicas, degree, ..., L]``); only their dtypes and ``L`` are read.
 
     Raises:
       ValueError: no class's buffers given.
@@ -595,7 +610,7 @@ class ShardedOptimizer:
 
     Args:
       class_blocks: each class's sync buffers (``steps.abstract_sync_blocks``:
-        ``dtype -> [replicas, degree, L]``); only their dtypes and ``L`` are read.
+        ``name -> [replicas, degree, ..., L]``); only their dtypes and ``L`` are read.
 
     Raises:
       ValueError: no class's buffers given.
@@ -603,9 +618,9 @@ class ShardedOptimizer:
     if not class_blocks:
       raise ValueError("abstract_state: no class's sync buffers given")
     replicas, t_min = self.sync.mesh.devices.shape
-    pieces = {name: jax.ShapeDtypeStruct((replicas, t_min, -(-x.shape[-1] // self.pieces)),
-                                         MASTER_DTYPE, sharding=self.sharding)
-              for name, x in class_blocks[0].items()}
+    pieces = {name: jax.ShapeDtypeStruct(
+        (replicas, t_min, *x.shape[2:-1], -(-x.shape[-1] // self.pieces)), MASTER_DTYPE,
+        sharding=self.sharding) for name, x in class_blocks[0].items()}
     count = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.mesh, P()))
     state = jax.eval_shape(self._start_fn, pieces, pieces, pieces, count)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
@@ -617,7 +632,7 @@ class ShardedOptimizer:
     """One class's buffers -> the stacked ``[live replicas, t_min, L]`` ones ``step`` takes
     (in ``dtype``, default each buffer's)."""
     replicas, t_min = self.sync.mesh.devices.shape
-    return {name: jax.ShapeDtypeStruct((replicas, t_min, x.shape[-1]), dtype or x.dtype,
+    return {name: jax.ShapeDtypeStruct((replicas, t_min, *x.shape[2:]), dtype or x.dtype,
                                        sharding=self.sharding) for name, x in blocks.items()}
 
 

@@ -89,21 +89,24 @@ def piece_givers(optimizer: ShardedOptimizer, rows: Sequence[int]) -> tuple[int,
 
 
 def _gather_fn(pieces: dict, *, givers: tuple[int, ...], pieces_per_group: int,
-               lengths: tuple[tuple[str, int], ...], mesh: Mesh) -> dict:
-  """``dtype -> [members, t_min, n]`` float32 pieces -> every member's whole buffers
-  ``[members, t_min, L]``, each piece from its giver (``piece_givers``)."""
-  length, table = dict(lengths), np.asarray(givers, np.int32)
+               lengths: tuple[tuple[str, tuple[int, ...]], ...], mesh: Mesh) -> dict:
+  """``name -> [members, t_min, ..., n]`` float32 pieces -> every member's whole buffers
+  ``[members, t_min, ..., L]``, each piece from its giver (``piece_givers``); ``lengths``:
+  each buffer's shape past ``[members, t_min]``."""
+  length, table = {k: shape[-1] for k, shape in lengths}, np.asarray(givers, np.int32)
 
   def body(local):
     piece = jnp.asarray(table)[jax.lax.axis_index(MEMBER)]
     out = {}
-    for name, x in local.items():  # x: [1, 1, n]
+    for name, x in local.items():  # x: [1, 1, ..., n]
       n = x.shape[-1]
       bits = jax.lax.bitcast_convert_type(x[0, 0], jnp.uint32)
       placed = jax.lax.dynamic_update_slice_in_dim(
-          jnp.zeros(n * pieces_per_group, jnp.uint32), bits, jnp.maximum(piece, 0) * n, 0)
+          jnp.zeros((*bits.shape[:-1], n * pieces_per_group), jnp.uint32), bits,
+          jnp.maximum(piece, 0) * n, bits.ndim - 1)
       whole = jax.lax.psum(jnp.where(piece >= 0, placed, jnp.zeros_like(placed)), MEMBER)
-      out[name] = jax.lax.bitcast_convert_type(whole[:length[name]], MASTER_DTYPE)[None, None]
+      out[name] = jax.lax.bitcast_convert_type(whole[..., :length[name]],
+                                               MASTER_DTYPE)[None, None]
     return out
 
   return jax.shard_map(body, mesh=mesh, in_specs=(SURVIVOR_SPEC,),
@@ -149,38 +152,38 @@ class SurvivorRebuild:
     return jax.make_array_from_single_device_arrays(
         shape, NamedSharding(self.mesh, SURVIVOR_SPEC), [by_device[d] for d in mine(self.mesh)])
 
-  def _gathered(self, pieces: dict, lengths: tuple[tuple[str, int], ...]) -> dict:
+  def _gathered(self, pieces: dict, lengths: tuple[tuple[str, tuple[int, ...]], ...]) -> dict:
     return _gather({k: self._cut(v) for k, v in pieces.items()}, givers=self.givers,
                    pieces_per_group=self.optimizer.pieces, lengths=lengths, mesh=self.mesh)
 
   # -- per surviving class ----------------------------------------------------------------------
 
   def _buffers(self, survivor: ClassProgram, whole: dict | None,
-               lengths: tuple[tuple[str, int], ...]) -> dict:
-    """The class's float32 sync buffers ``dtype -> [rows, degree, L]`` on its surviving
+               lengths: tuple[tuple[str, tuple[int, ...]], ...]) -> dict:
+    """The class's float32 sync buffers ``name -> [rows, degree, ..., L]`` on its surviving
     mesh: core positions from ``whole`` (the gathering's), the others host zeros."""
     t_min = self.optimizer.sync.t_min
     sharding = NamedSharding(survivor.mesh, P(DP, TP))
     rows, degree = survivor.mesh.devices.shape
     out = {}
-    for name, length in lengths:
+    for name, shape in lengths:
       core = {} if whole is None else {s.device: s.data for s in whole[name].addressable_shards}
       shards = []
       for row in survivor.mesh.devices:
         for j, device in enumerate(row):
           if is_mine(device):
             shards.append(core[device] if j < t_min else
-                          jax.device_put(np.zeros((1, 1, length), np.float32), device))
-      out[name] = jax.make_array_from_single_device_arrays((rows, degree, length), sharding,
+                          jax.device_put(np.zeros((1, 1, *shape), np.float32), device))
+      out[name] = jax.make_array_from_single_device_arrays((rows, degree, *shape), sharding,
                                                            shards)
     return out
 
-  def _lengths(self, survivor: ClassProgram) -> tuple[tuple[str, int], ...]:
-    """``(dtype, L)`` of the sync buffers (the same in every class)."""
+  def _lengths(self, survivor: ClassProgram) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``(name, shape past [rows, degree])`` of the sync buffers (the same in every class)."""
     original = self.originals[self.survivors.index(survivor)]
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           original.params)
-    return tuple(sorted((k, v.shape[-1]) for k, v in
+    return tuple(sorted((k, tuple(v.shape[2:])) for k, v in
                         jax.eval_shape(original.step.pack, params).items()))
 
   def opt_states(self, state: dict | None, shapes: Sequence[Any], count: int) -> list[Any]:
@@ -245,8 +248,8 @@ class SurvivorRebuild:
       if holds_mine(survivor.mesh):
         rows, degree = survivor.mesh.devices.shape
         sharding = NamedSharding(survivor.mesh, P(DP, TP))
-        blocks = {k: jax.ShapeDtypeStruct((rows, degree, n), np.float32, sharding=sharding)
-                  for k, n in lengths}
+        blocks = {k: jax.ShapeDtypeStruct((rows, degree, *shape), np.float32,
+                                          sharding=sharding) for k, shape in lengths}
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                              sharding=x.sharding),
                               survivor.params)

@@ -52,8 +52,14 @@ from ntp_jax.parallel.steps import (
   abstract_sync_blocks,
   default_loss,
 )
-from ntp_jax.parallel.sync import LOSS_DTYPE, CrossClassSync
-from ntp_jax.parallel.sync_leaf import INT32_MAX, int32_overrun, sync_leaves
+from ntp_jax.parallel.sync import CrossClassSync
+from ntp_jax.parallel.sync_leaf import (
+  INT32_MAX,
+  buffer_dtype,
+  buffer_shapes,
+  int32_overrun,
+  sync_leaves,
+)
 from ntp_jax.parallel.zero import ShardedOptimizer, ZeroSettings, piece_count
 from ntp_jax.sharding.mesh import class_mesh
 
@@ -81,8 +87,6 @@ class ClassFootprint:
       buffers are freed before it runs).
     flops: flops per device per step (None when not computed).
     optimizer: how the optimizer state is held (``optimizer_label``).
-    extended_from: ``(a, b)``: ``temp`` and ``outputs`` extended linearly in depth from
-      the model at ``a`` and ``b`` layers (``extend_in_depth``); None: measured as is.
   """
 
   replica_class: ReplicaClass
@@ -93,7 +97,6 @@ class ClassFootprint:
   outputs: int
   flops: float | None = None
   optimizer: str = "replicated"
-  extended_from: tuple[int, int] | None = None
 
   @property
   def grads(self) -> int:
@@ -159,26 +162,21 @@ def optimizer_label(zero: ZeroSettings | None, replicas: int) -> str:
   return f"{zero.name} k={zero.copies} ({pieces} piece{'s' if pieces > 1 else ''})"
 
 
-def sync_buffer_lengths(plan: Plan, make_model: Callable[[Any], nnx.Module]) -> dict[str, int]:
-  """``dtype -> L``: elements of each flat sync buffer at one core position (every
-  parameter's ``SyncLeaf.block`` at ``t_min`` positions, near-equal runs, and the float32
-  buffer's loss element), the same for every class. Shapes only."""
+def sync_buffer_lengths(plan: Plan, make_model: Callable[[Any], nnx.Module]
+                        ) -> dict[str, tuple[int, ...]]:
+  """``buffer name -> shape`` of each sync buffer at one core position
+  (``sync_leaf.buffer_shapes``: ``(L,)``, or ``(layers, L)`` for stacked parameters; near-equal
+  runs at ``t_min`` positions), the same for every class. Shapes only."""
   t_min = min(c.degree for c in plan.classes)
   c = plan.classes[0]
-  lengths = {LOSS_DTYPE: 1}
-  for leaf in sync_leaves(abstract_params(lambda: make_model(c.layouts)), c.degree, t_min):
-    lengths[leaf.dtype] = lengths.get(leaf.dtype, 0) + leaf.block
-  return lengths
+  return buffer_shapes(sync_leaves(abstract_params(lambda: make_model(c.layouts)), c.degree,
+                                   t_min))
 
 
-def split_step_overrun(plan: Plan, make_model: Callable[[Any], nnx.Module],
-                       zero: ZeroSettings | None, lengths: dict[str, int] | None = None
-                       ) -> str | None:
-  """Why ``plan``'s split step cannot be built, in words, from shapes: a parameter whose sync
-  packing indexes more than ``2**31 - 1`` elements on one device
-  (``sync_leaf.int32_overrun``), or with ``zero`` a sync buffer longer than that (the
-  sharded optimizer's pieces are indexed with int32 too); None when it can.
-  ``lengths``: the plan's ``sync_buffer_lengths``, if known."""
+def split_step_overrun(plan: Plan, make_model: Callable[[Any], nnx.Module]) -> str | None:
+  """Why ``plan``'s split step (and the sharded optimizer over its buffers) cannot be built,
+  in words, from shapes: a run it would index past ``2**31 - 1`` elements on one device
+  (``sync_leaf.int32_overrun``); None when it can."""
   t_min = min(c.degree for c in plan.classes)
   for c in plan.classes:
     leaves = sync_leaves(abstract_params(lambda c=c: make_model(c.layouts)), c.degree, t_min)
@@ -186,15 +184,10 @@ def split_step_overrun(plan: Plan, make_model: Callable[[Any], nnx.Module],
     if overrun is not None:
       return (f"the split step at TP degree {c.degree} would index {overrun[1]:,} elements "
               f"of {overrun[0]} per device with int32 (at most {INT32_MAX:,})")
-  if zero is not None:
-    longest = max((lengths or sync_buffer_lengths(plan, make_model)).values())
-    if longest > INT32_MAX:
-      return (f"a sync buffer of {longest:,} elements per core device: the sharded "
-              f"optimizer indexes it with int32 (at most {INT32_MAX:,})")
   return None
 
 
-def check_split_step(plan: Plan, model: ModelSpec, zero: ZeroSettings | None) -> None:
+def check_split_step(plan: Plan, model: ModelSpec) -> None:
   """Refuse, before building it, a plan whose split step (replicas of several TP degrees,
   the sharded optimizer, or a multi-process job's halves) cannot be built: int32 index
   arithmetic past ``2**31 - 1`` elements (``split_step_overrun``). A model under
@@ -205,17 +198,16 @@ def check_split_step(plan: Plan, model: ModelSpec, zero: ZeroSettings | None) ->
   """
   if 2 * model.param_count <= INT32_MAX:  # no leaf nor buffer can reach the bound
     return
-  overrun = split_step_overrun(plan, model.make, zero)
+  overrun = split_step_overrun(plan, model.make)
   if overrun is not None:
     degrees = [r.degree for r in plan.replicas]
     raise ConfigError(f"model: {model.name} on the plan with TP degrees {degrees}: {overrun}; "
                       "a healthy plan with train.optimizer_sharding=replicated runs one fused "
-                      "step, which has no such bound (docs/zero.md, \"Not built yet\")")
+                      "step, which has no such bound")
 
 
 def failure_overrun(plan: Plan, failed: frozenset[tuple[int, int]],
-                    failed_plan: Callable[[frozenset], Plan], model: ModelSpec,
-                    zero: ZeroSettings | None) -> str | None:
+                    failed_plan: Callable[[frozenset], Plan], model: ModelSpec) -> str | None:
   """Why a failure would stop a run of ``plan`` (one line), or None: the plan one more
   failed slot leads to (``failed_plan(failed | {slot})``, ``failed`` the plan's failed
   ``(replica, slot)`` pairs, the slot the last live one of the first replica of two or
@@ -227,22 +219,20 @@ def failure_overrun(plan: Plan, failed: frozenset[tuple[int, int]],
   if replica is None:
     return None
   after = failed_plan(frozenset(failed) | {(replica.replica, replica.live_slots[-1])})
-  overrun = split_step_overrun(after, model.make, zero)
+  overrun = split_step_overrun(after, model.make)
   if overrun is None:
     return None
   return (f"a failed slot would stop this run: on the plan it leads to (TP degrees "
-          f"{[r.degree for r in after.replicas]}) {overrun} (docs/zero.md, \"Not built yet\")")
+          f"{[r.degree for r in after.replicas]}) {overrun}")
 
 
 def memoized_split_step_overrun(memo: dict, plan: Plan,
-                                make_model: Callable[[Any], nnx.Module],
-                                zero: ZeroSettings | None) -> str | None:
+                                make_model: Callable[[Any], nnx.Module]) -> str | None:
   """``split_step_overrun`` kept in ``memo`` (one model depth's memo, as
-  ``class_footprints`` takes it) under the plan's classes and whether ``zero`` is set."""
-  key = ("split step overrun", plan.classes, zero is not None)
+  ``class_footprints`` takes it) under the plan's classes."""
+  key = ("split step overrun", plan.classes)
   if key not in memo:
-    lengths = memoized_sync_lengths(memo, plan, make_model) if zero is not None else None
-    memo[key] = split_step_overrun(plan, make_model, zero, lengths)
+    memo[key] = split_step_overrun(plan, make_model)
   return memo[key]
 
 
@@ -269,6 +259,12 @@ def sharded_optimizer(plan: Plan, devices: Sequence[jax.Device],
                           runs=())
 
 
+def _position_blocks(shapes: dict[str, tuple[int, ...]]) -> dict[str, jax.ShapeDtypeStruct]:
+  """One position's sync buffers (``sync_buffer_lengths``) as ``[1, 1, ...]`` abstract arrays."""
+  return {name: jax.ShapeDtypeStruct((1, 1, *shape), buffer_dtype(name))
+          for name, shape in shapes.items()}
+
+
 def zero_state_bytes(plan: Plan, make_model: Callable[[Any], nnx.Module],
                      devices: Sequence[jax.Device], zero: ZeroSettings) -> int:
   """Bytes one core device holds of the sharded optimizer state (pieces and step counts),
@@ -277,21 +273,20 @@ def zero_state_bytes(plan: Plan, make_model: Callable[[Any], nnx.Module],
   Raises:
     ValueError: more copies than live replicas.
   """
-  blocks = {name: jax.ShapeDtypeStruct((1, 1, n), name)
-            for name, n in sync_buffer_lengths(plan, make_model).items()}
+  blocks = _position_blocks(sync_buffer_lengths(plan, make_model))
   return device_bytes(sharded_optimizer(plan, devices, zero).abstract_state([blocks]))
 
 
 def piece_element_bytes(plan: Plan, make_model: Callable[[Any], nnx.Module],
                         devices: Sequence[jax.Device], zero: ZeroSettings,
-                        lengths: dict[str, int] | None = None) -> dict[str, int]:
-  """``dtype -> bytes`` the sharded state keeps per element of that sync buffer's piece
+                        lengths: dict[str, tuple[int, ...]] | None = None) -> dict[str, int]:
+  """``buffer name -> bytes`` the sharded state keeps per element of that sync buffer's piece
   (master weights, moments), read from ``ShardedOptimizer.abstract_state``:
   with ``sync_buffer_lengths`` (``lengths``, computed when not given) it gives the state at
   any replica count."""
   if lengths is None:
     lengths = sync_buffer_lengths(plan, make_model)
-  blocks = {name: jax.ShapeDtypeStruct((1, 1, n), name) for name, n in lengths.items()}
+  blocks = _position_blocks(lengths)
   state = sharded_optimizer(plan, devices, zero).abstract_state([blocks])
   out = dict.fromkeys(blocks, 0)
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -299,52 +294,6 @@ def piece_element_bytes(plan: Plan, make_model: Callable[[Any], nnx.Module],
     if x.ndim and names:
       out[names[-1]] += np.dtype(x.dtype).itemsize
   return out
-
-
-def shape_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
-                     optimizer: optax.GradientTransformation, seq_len: int,
-                     devices: Sequence[jax.Device], *, zero: ZeroSettings | None = None
-                     ) -> list[ClassFootprint]:
-  """What the shapes alone give of each class's footprint: parameters, optimizer state
-  (``zero``: a core device's piece of the sharded state) and batch; ``temp`` and
-  ``outputs`` 0, no flops. Nothing is traced but the model's and optimizer's shapes.
-
-  Raises:
-    ValueError: ``zero`` asks for more copies than live replicas.
-  """
-  state = None if zero is None else zero_state_bytes(plan, make_model, devices, zero)
-  out = []
-  for replica_class in plan.classes:
-    program, batch = abstract_program(plan, replica_class, make_model, optimizer, seq_len,
-                                      devices)
-    out.append(ClassFootprint(
-        replica_class=replica_class, params=device_bytes(program.params),
-        opt_state=device_bytes(program.opt_state) if state is None else state, temp=0,
-        batch=device_bytes(batch), outputs=0,
-        optimizer=optimizer_label(zero, len(plan.replicas))))
-  return out
-
-
-EXTENDED_WHY = ("at full depth the split step's programs index more than 2**31 - 1 "
-                "elements with int32 and cannot be built")
-
-
-def extend_in_depth(exact: Sequence[ClassFootprint], small: Sequence[ClassFootprint],
-                    large: Sequence[ClassFootprint], depths: tuple[int, int],
-                    n_layers: int) -> list[ClassFootprint]:
-  """``exact`` (``shape_footprints`` at ``n_layers``) with ``temp`` and ``outputs`` extended
-  linearly from the same plan's footprints at ``depths = (a, b)`` layers (``small``,
-  ``large``): ``x(n) = x(a) + (n - a) * (x(b) - x(a)) / (b - a)``. A scanned stack's
-  temporaries grow by the same bytes per layer; XLA's buffer assignment is not exactly
-  linear (docs/scale.md compares both where the full program compiles)."""
-  a, b = depths
-
-  def line(x: int, y: int) -> int:
-    return int(round(x + (n_layers - a) * (y - x) / (b - a)))
-
-  return [dataclasses.replace(f, temp=line(s.temp, t.temp), outputs=line(s.outputs, t.outputs),
-                              extended_from=depths)
-          for f, s, t in zip(exact, small, large, strict=True)]
 
 
 def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
@@ -380,10 +329,9 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
 
   Raises:
     ValueError: ``zero`` asks for more copies than live replicas.
-    OverflowError: a program indexes more than ``2**31 - 1`` elements with int32 (the
-      split step's sync blocks and the sharded optimizer's pieces of a model with more
-      elements than that per device: ``resources.measured_footprints`` extends from
-      fewer layers); with ``zero`` raised from the shapes, before compiling anything.
+    OverflowError: the split step would index more than ``2**31 - 1`` elements of one
+      layer's run with int32 (``split_step_overrun``), found from the shapes before
+      compiling anything.
   """
   memo = {} if compiled is None else compiled
   settings = StepSettings(optimizer, clip_norm, plan.global_batch * seq_len, loss)
@@ -391,7 +339,7 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
   split = len(plan.classes) > 1 or zero is not None
   label = optimizer_label(zero, len(plan.replicas))
   if split:  # known from shapes, before tracing or compiling anything
-    overrun = memoized_split_step_overrun(memo, plan, make_model, zero)
+    overrun = memoized_split_step_overrun(memo, plan, make_model)
     if overrun is not None:
       raise OverflowError(overrun)
 
@@ -584,6 +532,4 @@ def footprint_table(footprints: Sequence[ClassFootprint]) -> str:
     title += f" (optimizer state {', '.join(sorted(held))}, a core device's piece)"
   lines = [f"{title}:", fmt.format(*header)]
   lines += [fmt.format(*r) for r in rows]
-  for a, b in sorted({f.extended_from for f in footprints} - {None}):
-    lines.append(f"temp and peak extended linearly from {a} and {b} layers: {EXTENDED_WHY}")
   return "\n".join(lines)

@@ -20,24 +20,20 @@ from typing import Any
 from ntp_jax.errors import ConfigError
 from ntp_jax.model import ModelSpec
 from ntp_jax.parallel.plan import Plan
-from ntp_jax.parallel.zero import ZeroSettings, piece_count
+from ntp_jax.parallel.zero import ZeroSettings, piece_count, piece_elements
 from ntp_jax.training.config import RunConfig
 from ntp_jax.training.footprint import (
-  EXTENDED_WHY,
   ClassFootprint,
   abstract_program,
   class_footprints,
   device_bytes,
   device_capacity,
-  extend_in_depth,
   footprint_table,
-  memoized_split_step_overrun,
   memoized_sync_lengths,
   optimizer_label,
   per_device_flops,
   piece_element_bytes,
   resident_fraction,
-  shape_footprints,
   shortfall,
   zero_state_bytes,
 )
@@ -71,91 +67,26 @@ def resident_bytes(plan: Plan, make_model, optimizer, devices, *,
   return [device_bytes(p.params) + state for p in programs]
 
 
-def extension_depths(n_layers: int) -> list[tuple[int, int]]:
-  """The depth pairs ``(a, 2a)`` a model of ``n_layers`` may be measured at when its full
-  step cannot be built, deepest first: ``a = n / 4`` down to 2 (XLA's temporaries grow
-  linearly in depth past the first few layers, so the deepest pair that builds is the one
-  used; a pair that cannot be built fails before compiling)."""
-  return [(a, 2 * a) for a in range(n_layers // 4, 1, -1)]
-
-
-def _deepest_buildable(plan: Plan, model: ModelSpec, zero: ZeroSettings | None,
-                             pairs: Sequence[tuple[int, int]], memo: dict) -> int:
-  """Index of the deepest of ``pairs`` (deepest first) whose deeper model's split step can be
-  built (``footprint.split_step_overrun``: ``class_footprints`` refuses the others from
-  their shapes), found by bisection, as the blocks and buffers only grow with depth: each
-  try builds a model's parameter shapes (0.1 s at 70B), kept in that depth's ``memo``. The
-  last pair when none does."""
-  low, high = 0, len(pairs) - 1
-  while low < high:
-    middle = (low + high) // 2
-    deeper = pairs[middle][1]
-    if memoized_split_step_overrun(memo.setdefault(("layers", deeper), {}), plan,
-                                   model.layers(deeper).make, zero) is None:
-      high = middle
-    else:
-      low = middle + 1
-  return low
-
-
 def measured_footprints(config: RunConfig, model: ModelSpec, plan: Plan, optimizer, devices,
-                        zero: ZeroSettings | None, *, compiled: dict | None = None,
-                        extend: bool = False, depths: tuple[int, int] | None = None
+                        zero: ZeroSettings | None, *, compiled: dict | None = None
                         ) -> list[ClassFootprint]:
-  """``class_footprints`` of the model as configured (flops as compiled).
-
-  Where the step's programs cannot be built at full depth (``OverflowError``: more than
-  ``2**31 - 1`` elements of one per-device array indexed with int32), or with
-  ``extend``, parameters, optimizer state and batch come from the shapes at full depth
-  and ``temp`` and ``outputs`` are extended from two smaller depths
-  (``extension_depths``, ``model.layers``; ``footprint.extend_in_depth``).
+  """``class_footprints`` of the model as configured, at full depth (flops as compiled).
 
   Args:
     zero: the sharded optimizer (None: replicated).
     compiled: a memo shared with other calls on this config and model.
-    depths: extend from these two depths only (default: the deepest pair of
-      ``extension_depths`` whose programs can be built).
 
   Raises:
-    ResourceError: the programs cannot be built and the model cannot be measured at
-      fewer layers (one line).
+    ResourceError: the step's programs cannot be built (``OverflowError``: a run past
+      int32 indexing, ``footprint.split_step_overrun``), one line.
   """
   memo = {} if compiled is None else compiled
-  args = (optimizer, config.train.clip_norm, config.train.seq_len, devices)
-  if not extend:
-    try:
-      return class_footprints(plan, model.make, *args, loss=model.loss, zero=zero,
-                              compiled=memo.setdefault(("layers", model.n_layers), {}))
-    except OverflowError as err:
-      cause = " ".join(str(err).split())[:120]
-  else:
-    cause = "asked for"
-  pairs = [] if model.layers is None or model.n_layers is None else extension_depths(
-      model.n_layers)
-  if depths is not None:
-    pairs = [depths] if model.layers is not None else []
-  if not pairs:
-    raise ResourceError(f"the step's programs cannot be built for this model ({cause}) and "
-                        f"{model.name} cannot be measured at fewer layers")
-  split = zero is not None or len(plan.classes) > 1
-  if split and len(pairs) > 2:  # past the split step's int32 bound: skip those at once
-    pairs = pairs[_deepest_buildable(plan, model, zero, pairs, memo):]
-  for pair in pairs:  # the deepest pair whose programs can be built
-    try:
-      parts = []
-      for n in pair[::-1]:  # the deeper first: a pair that cannot be built fails at once
-        smaller = model.layers(n)
-        parts.insert(0, class_footprints(plan, smaller.make, *args, loss=smaller.loss,
-                                         zero=zero, compiled=memo.setdefault(("layers", n), {})))
-      break
-    except OverflowError as err:
-      cause = " ".join(str(err).split())[:120]
-  else:
-    raise ResourceError(f"the step's programs cannot be built for this model even at "
-                        f"{pairs[-1][0]} layers: {cause}")
-  exact = shape_footprints(plan, model.make, optimizer, config.train.seq_len, devices,
-                           zero=zero)
-  return extend_in_depth(exact, *parts, pair, model.n_layers)
+  try:
+    return class_footprints(plan, model.make, optimizer, config.train.clip_norm,
+                            config.train.seq_len, devices, loss=model.loss, zero=zero,
+                            compiled=memo.setdefault(("layers", model.n_layers), {}))
+  except OverflowError as err:
+    raise ResourceError(f"the step's programs cannot be built for this model: {err}") from None
 
 
 def footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer,
@@ -198,11 +129,9 @@ class Choice:
     optimizer: its label (``footprint.optimizer_label``).
     worst: the class footprint with the largest peak (its device needs the most);
       ``base`` is its peak less its optimizer state (bytes).
-    lengths, element_bytes: with ``zero``, the sync buffers' lengths and the state's bytes
-      per piece element of each (for ``smallest_dp``); else empty.
-    direct_peak: the peak measured at full depth when ``worst`` is instead that row's
-      extension from the depths another row needed (a check of the extension); else
-      None.
+    lengths, element_bytes: with ``zero``, the sync buffers' shapes at one position
+      (``footprint.sync_buffer_lengths``) and the state's bytes per piece element of each
+      (for ``smallest_dp``); else empty.
   """
 
   plan: str
@@ -210,9 +139,8 @@ class Choice:
   zero: ZeroSettings | None
   optimizer: str
   worst: ClassFootprint
-  lengths: dict[str, int]
+  lengths: dict[str, tuple[int, ...]]
   element_bytes: dict[str, int]
-  direct_peak: int | None = None
 
   @property
   def base(self) -> int:
@@ -235,15 +163,12 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
   """Per-device memory of each optimizer-state choice (replicated; zero1 and zero2 with 1
   copy, and 2 with two replicas or more) on ``config``'s mesh, healthy and with one failed slot
   (replica 0's last; none with ``mesh.tp=1``). Abstract shapes only: each class's programs
-  compiled once for every choice (``class_footprints``; ``compiled`` shared with the
-  caller's own footprint of the configured plan). A choice whose step cannot be built at
-  full depth is extended from the deepest pair that builds (``measured_footprints``);
-  when one is, every choice on that plan is shown extended from the same pair, and one
-  measured at full depth keeps its full-depth peak as a check (``Choice.direct_peak``).
+  compiled once for every choice, at full depth (``class_footprints``; ``compiled`` shared
+  with the caller's own footprint of the configured plan).
 
   Raises:
     ValueError: a choice asks for more copies than live replicas.
-    ResourceError: a choice's step cannot be built nor extended.
+    ResourceError: a choice's step cannot be built.
   """
   memo = {} if compiled is None else compiled
   failed = [("healthy", frozenset())]
@@ -253,42 +178,26 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
   cases = [(name, plan_for(config, model, slots), zero)
            for name, slots in failed for zero in _choices(config)]
 
-  # The sharded choices first: where their steps cannot be built at full depth (found from
-  # shapes), the deepest pair that builds is then every row's of that plan, so the rows
-  # compare like for like and share their gradient halves' compiles.
-  worst: list = [None] * len(cases)
-  pair: dict[str, tuple[int, int]] = {}
-  for i in sorted(range(len(cases)), key=lambda i: cases[i][2] is None):
-    name, plan, zero = cases[i]
-    worst[i] = max(measured_footprints(config, model, plan, optimizer, devices, zero,
-                                       compiled=memo, depths=pair.get(name)),
-                   key=lambda f: f.peak)
-    if worst[i].extended_from is not None:
-      pair[name] = min(pair.get(name, worst[i].extended_from), worst[i].extended_from)
-  direct = [None] * len(cases)
-  for i, ((name, plan, zero), f) in enumerate(zip(cases, worst)):
-    if name in pair and f.extended_from != pair[name]:  # e.g. built at full depth: a check
-      direct[i] = f.peak if f.extended_from is None else None
-      worst[i] = max(measured_footprints(config, model, plan, optimizer, devices, zero,
-                                         compiled=memo, extend=True, depths=pair[name]),
-                     key=lambda f: f.peak)
   out = []
-  for (name, plan, zero), f, peak in zip(cases, worst, direct):
+  for name, plan, zero in cases:
+    worst = max(measured_footprints(config, model, plan, optimizer, devices, zero,
+                                    compiled=memo), key=lambda f: f.peak)
     lengths, element = {}, {}
     if zero is not None:  # the same for every choice on the plan
       lengths = memoized_sync_lengths(memo.setdefault(("layers", model.n_layers), {}), plan,
                                       model.make)
       element = piece_element_bytes(plan, model.make, devices, zero, lengths)
-    out.append(Choice(name, plan.t_min, zero, optimizer_label(zero, len(plan.replicas)), f,
-                      lengths, element, peak))
+    out.append(Choice(name, plan.t_min, zero, optimizer_label(zero, len(plan.replicas)),
+                      worst, lengths, element))
   return out
 
 
 def choice_state_bytes(choice: Choice, replicas: int) -> int:
   """A core device's sharded state for ``choice`` (zero1 or zero2) with ``replicas`` live replicas:
-  ``ceil(L / pieces)`` elements of each buffer times the state's bytes per element."""
+  a piece of each buffer (``zero.piece_elements``) times the state's bytes per element."""
   pieces = piece_count(replicas, choice.zero.copies)
-  return sum(-(-n // pieces) * choice.element_bytes[name] for name, n in choice.lengths.items())
+  return sum(piece_elements(shape, pieces) * choice.element_bytes[name]
+             for name, shape in choice.lengths.items())
 
 
 def smallest_dp(choice: Choice, capacity: int, limit: int = 4096) -> int | None:
@@ -319,7 +228,7 @@ def comparison_table(choices: Sequence[Choice], capacity: int, device: str, tp: 
   fits ``capacity`` at each TP degree, and, when no sharded choice fits, the smallest DP
   at which the one with the least besides its state would."""
   header = ("plan", "fullest device's TP degree", "optimizer", "params", "grads", "opt state",
-            "temp", "outputs", "peak", f"fits {capacity / GIB:.0f} GiB", "temp from")
+            "temp", "outputs", "peak", f"fits {capacity / GIB:.0f} GiB")
   rows = []
   for c in choices:
     f = c.worst
@@ -327,8 +236,7 @@ def comparison_table(choices: Sequence[Choice], capacity: int, device: str, tp: 
                  str(f.replica_class.degree), c.optimizer,
                  *(f"{b / GIB:.3f}" for b in (f.params, f.grads, f.opt_state, f.temp, f.outputs,
                                                f.peak)),
-                 "yes" if f.peak <= capacity else "no",
-                 "layers {}, {}".format(*f.extended_from) if f.extended_from else "compiled"))
+                 "yes" if f.peak <= capacity else "no"))
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
   fmt = "  ".join(f"{{:<{w}}}" if i < 3 else f"{{:>{w}}}" for i, w in enumerate(widths))
   lines = [f"optimizer state choices on {dp} x {tp}, per device (GiB, the fullest device of "
@@ -336,13 +244,6 @@ def comparison_table(choices: Sequence[Choice], capacity: int, device: str, tp: 
            fmt.format(*header)] + [fmt.format(*r) for r in rows]
   lines.append("peak: params + opt state + batch + temp + outputs (grads live inside temp; "
                "outputs: what the step's programs give back beside their donated inputs)")
-  if any(c.worst.extended_from for c in choices):
-    lines.append("temp from layers a, b: temp and outputs extended linearly to full depth "
-                 f"from the model at a and b layers ({EXTENDED_WHY})")
-  for c in choices:
-    if c.direct_peak is not None:
-      lines.append(f"check: {c.plan}, {c.optimizer} compiled at full depth peaks at "
-                   f"{c.direct_peak / GIB:.3f} GiB, {c.worst.peak / GIB:.3f} extended")
   for plan in dict.fromkeys(c.plan for c in choices):
     mine = [c for c in choices if c.plan == plan]
     fitting = [c.optimizer for c in mine if c.worst.peak <= capacity]

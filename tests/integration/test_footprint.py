@@ -1,6 +1,7 @@
 """The memory and compute plan: abstract shapes only, figures checked by hand counts."""
 
 import dataclasses
+import json
 import os
 import re
 import resource
@@ -178,16 +179,28 @@ def test_flops_extended_from_two_layers_equal_the_unrolled_model(tmp_path):
 def _leaf_sizes(cfg) -> list[int]:
   """Logical elements of every parameter of a GPT, counted from its config:
   each block parameter stacked over the layers, then the tables and the final norm."""
-  d, layers, ff, v = cfg.d_model, cfg.n_layers, cfg.d_ff, cfg.vocab_size
+  return [cfg.n_layers * n for n in _layer_sizes(cfg)] + [n for _, n in _table_sizes(cfg)]
+
+
+def _layer_sizes(cfg) -> list[int]:
+  """Elements of one layer's parameters: attention, norm, MLP, norm."""
+  d, ff = cfg.d_model, cfg.d_ff
   q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-  per_layer = [d * q, d * kv, d * kv, q * d, d, d * ff, d * ff, ff * d, d]
-  return [layers * n for n in per_layer] + [v * d, d * v, d]
+  return [d * q, d * kv, d * kv, q * d, d, d * ff, d * ff, ff * d, d]
+
+
+def _table_sizes(cfg) -> list[tuple[bool, int]]:
+  """``(split, elements)`` of the embedding, the head and the final norm."""
+  d, v = cfg.d_model, cfg.vocab_size
+  return [(True, v * d), (True, d * v), (False, d)]
 
 
 def test_zero1_optimizer_bytes_match_the_hand_count(tmp_path):
-  """gpt_micro (float32) on 2 x 4: a core device keeps ceil(L / P) elements of the one
-  float32 sync buffer three times (master weights, two moments), L being every
-  parameter's run at t_min = 4 positions plus the loss element; and two int32 step counts."""
+  """gpt_micro (float32) on 2 x 4: a core device keeps a piece of each sync buffer three
+  times (master weights, two moments) and two int32 step counts. The split parameters of
+  the stacked layers are laid out layer by layer in a ``[layers, L]`` buffer (each one's
+  run at t_min positions per layer); the tables, the norms (replicated: whole, stacked or
+  not) and the loss element in a flat one."""
   from ntp_jax.parallel.zero import piece_count, state_bytes
   from ntp_jax.training.footprint import sync_buffer_lengths, zero_state_bytes
   from ntp_jax.training.optim import zero_settings
@@ -199,19 +212,24 @@ def test_zero1_optimizer_bytes_match_the_hand_count(tmp_path):
   assert sum(sizes) == count_params(cfg)
   run = RunConfig.from_config(config)
   optimizer, zero = make_optimizer(run.train), zero_settings(run.train)
+  layers, norms = cfg.n_layers, (4, 8)  # the layer's two norms: replicated
   for failed, t_min in (("", 4), ("1:2", 3)):
     plan = plan_of(config, gpt_spec(cfg, 0), failed)
-    length = sum(-(-n // t_min) for n in sizes) + 1  # each parameter's longest run, the loss
-    assert sync_buffer_lengths(plan, gpt_spec(cfg, 0).make) == {"float32": length}
+    per_layer = sum(-(-n // t_min) for i, n in enumerate(_layer_sizes(cfg)) if i not in norms)
+    flat = (sum(-(-n // t_min) for _, n in _table_sizes(cfg))
+            + sum(-(-layers * _layer_sizes(cfg)[i] // t_min) for i in norms) + 1)  # the loss
+    shapes = {"float32": (flat,), f"float32/{layers} layers": (layers, per_layer)}
+    assert sync_buffer_lengths(plan, gpt_spec(cfg, 0).make) == shapes
     pieces = piece_count(2, 1)
     assert pieces == 2
-    hand = -(-length // pieces) * 12 + 2 * 4
+    hand = (-(-flat // pieces) + layers * -(-per_layer // pieces)) * 12 + 2 * 4
     assert zero_state_bytes(plan, gpt_spec(cfg, 0).make, jax.devices(), zero) == hand
-    assert state_bytes({"float32": length}, 2, 1) == hand - 8  # the same pieces, no counts
+    assert state_bytes(shapes, 2, 1) == hand - 8  # the same pieces, no counts
     # About a quarter of the logical parameters' 12 bytes each: 2 pieces of 1/t_min.
     assert hand == pytest.approx(count_params(cfg) / t_min / pieces * 12, rel=0.01)
-    # Two copies: every replica holds the whole buffer's state.
+    # Two copies: every replica holds the whole buffers' state.
     two = dataclasses.replace(zero, copies=2)
+    length = flat + layers * per_layer
     assert zero_state_bytes(plan, gpt_spec(cfg, 0).make, jax.devices(), two) == length * 12 + 8
     footprints = class_footprints(plan, gpt_spec(cfg, 0).make, optimizer, 1.0,
                                   config.train.seq_len, jax.devices(), zero=zero)
@@ -253,7 +271,8 @@ def test_the_sharded_update_lowers_for_abstract_buffers(tmp_path):
     sharded.lower_step([])
   state = sharded.abstract_state(blocks)
   [(_, lowered)] = sharded.lower_step(blocks)
-  length = blocks[0]["float32"].shape[-1]
+  length = sum(int(np.prod(x.shape[2:])) for x in blocks[0].values())  # one device's
+  assert len(blocks[0]) == 2  # the flat buffer and the stacked layers'
   argument_bytes = lowered.compile().memory_analysis().argument_size_in_bytes
   assert argument_bytes == length * 4 + device_bytes(state)
   assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {np.dtype("float32")}
@@ -266,11 +285,23 @@ def test_the_sharded_update_lowers_for_abstract_buffers(tmp_path):
   assert (first, later, update) == (length * 4, length * 4 + pieces, pieces + device_bytes(state))
 
 
+def _huge_vocabulary():
+  """gpt_70b on 2 x 4 with a 600,000-token vocabulary: one device's flat embedding block
+  (1.2e9 elements at TP degree 4) and its sync run reach past int32 indexing, at any depth
+  (the stacked layers are laid out layer by layer and never do)."""
+  config = configs.gpt_70b.get_config()
+  config.mesh.dp, config.mesh.tp = 2, 4
+  config.train.batch_size = 8
+  config.model.vocab_size = 600_000
+  return config
+
+
 def test_the_warning_that_a_failure_would_stop_the_run_comes_before_the_memory_check(
     tmp_path, monkeypatch):
-  """gpt_70b on 2 x 4 with a replicated optimizer: the warning that a failed slot would stop
-  the run is printed before the memory plan, which on this host stops the run (stood in for
-  here by a ``ResourceError`` at once, as the plan of thousands of GiB would give)."""
+  """A replicated run whose failure plan cannot be built: the warning that a failed slot
+  would stop the run is printed before the memory plan, which on this host stops the run
+  (stood in for here by a ``ResourceError`` at once, as the plan of thousands of GiB would
+  give)."""
   from ntp_jax.training import trainer
   from ntp_jax.training.resources import ResourceError
 
@@ -278,9 +309,7 @@ def test_the_warning_that_a_failure_would_stop_the_run_comes_before_the_memory_c
     raise ResourceError("the plan needs more host memory than there is")
 
   monkeypatch.setattr(trainer, "check_footprint", no_memory)
-  config = configs.gpt_70b.get_config()
-  config.mesh.dp, config.mesh.tp = 2, 4
-  config.train.batch_size = 8
+  config = _huge_vocabulary()
   config.train.optimizer_sharding = "replicated"
   config.workdir = str(tmp_path)
   logged = []
@@ -292,71 +321,52 @@ def test_the_warning_that_a_failure_would_stop_the_run_comes_before_the_memory_c
 
 
 def test_a_step_past_int32_indexing_is_refused_before_compiling(tmp_path):
-  """gpt_70b on 2 x 4: one device's block of a layer's kernel and its sync buffer hold more
-  elements than int32 indexing reaches; zero1's footprint and a run's start say so from
-  shapes alone (a run whose plan has one TP degree and a replicated optimizer is warned
-  that a failure would stop it), and the memory plan extends from fewer layers
-  (``resources.extension_depths``)."""
+  """A flat parameter past int32 indexing (``_huge_vocabulary``): zero1's footprint and a
+  run's start say so from shapes alone, naming the parameter (a run whose plan has one TP
+  degree and a replicated optimizer is warned that a failure would stop it)."""
   from ntp_jax.errors import ConfigError
-  from ntp_jax.training.footprint import (
-    INT32_MAX,
-    check_split_step,
-    failure_overrun,
-    split_step_overrun,
-    sync_buffer_lengths,
-  )
+  from ntp_jax.training.footprint import check_split_step, failure_overrun
   from ntp_jax.training.optim import zero_settings
-  from ntp_jax.training.resources import extension_depths
-  config = configs.gpt_70b.get_config()
-  config.mesh.dp, config.mesh.tp = 2, 4
-  config.train.batch_size = 8
+  config = _huge_vocabulary()
   run = RunConfig.from_config(config)
-  cfg = GPTConfig.from_config(config.model)
-  spec = gpt_spec(cfg, 0)
+  spec = gpt_spec(GPTConfig.from_config(config.model), 0)
   plan = plan_of(config, spec, "")
-  assert max(sync_buffer_lengths(plan, spec.make).values()) > INT32_MAX
   started = time.monotonic()
-  kernel = r"the split step at TP degree 4 would index [\d,]+ elements of blocks/[\w/]+"
-  with pytest.raises(OverflowError, match=kernel + " per device with int32"):
+  table = r"the split step at TP degree 4 would index [\d,]+ elements of embed/embedding"
+  with pytest.raises(OverflowError, match=table + " per device with int32"):
     class_footprints(plan, spec.make, make_optimizer(run.train), 1.0,
                      config.train.seq_len, jax.devices(), zero=zero_settings(run.train))
-  with pytest.raises(ConfigError, match=r"^model: .* TP degrees \[4, 4\]: " + kernel):
-    check_split_step(plan, spec, zero_settings(run.train))
+  with pytest.raises(ConfigError, match=r"^model: .* TP degrees \[4, 4\]: " + table):
+    check_split_step(plan, spec)
   # Replicated, one TP degree: the fused step builds; a failed slot's plan would not.
   asked = []
   warning = failure_overrun(
       plan, frozenset(), lambda failed: asked.append(failed) or plan_for(run, spec, failed),
-      spec, None)
+      spec)
   assert asked == [{(0, 3)}]  # the first replica's last live slot
   assert warning.startswith("a failed slot would stop this run: on the plan it leads to "
                             "(TP degrees [3, 4]) the split step at TP degree "), warning
-  assert split_step_overrun(plan, gpt_spec(dataclasses.replace(cfg, n_layers=2), 0).make,
-                            zero_settings(run.train)) is None
   # A run stops at its start, before the memory plan compiles anything or data is read.
   config.workdir = str(tmp_path)
   with pytest.raises(ConfigError, match=r"^model: gpt on the plan with TP degrees \[4, 4\]"):
     train(config, log=lambda *_: None)
   assert os.listdir(tmp_path) == []
   assert time.monotonic() - started < 30  # shapes only: nothing compiled
-  assert extension_depths(80)[:2] == [(20, 40), (19, 38)] and extension_depths(80)[-1] == (2, 4)
-  assert extension_depths(7) == []
-  # The deepest pair within the bound, found by bisection, is the first a walk finds.
-  from ntp_jax.training.resources import _deepest_buildable
-  pairs, zero = extension_depths(80), zero_settings(run.train)
-  walk = [split_step_overrun(plan, spec.layers(deeper).make, zero) is None
-          for _, deeper in pairs]
-  assert 0 < walk.index(True) < len(pairs) - 1 and all(walk[walk.index(True):])
-  assert _deepest_buildable(plan, spec, zero, pairs, {}) == walk.index(True)
 
 
-def test_extension_in_depth_is_linear_in_temp_and_outputs():
-  from ntp_jax.training.footprint import ClassFootprint, extend_in_depth
-  plan = plan_of(configs.gpt_8b.get_config(), gpt_spec(
-      GPTConfig.from_config(configs.gpt_8b.get_config().model), 0), "")
-
-  def at(temp, outputs):
-    return ClassFootprint(plan.classes[0], params=7, opt_state=5, temp=temp, batch=1,
-                          outputs=outputs)
-
-  [f] = extend_in_depth([at(0, 0)], [at(10, 4)], [at(18, 6)], (4, 8), 20)
-  assert (f.temp, f.outputs, f.params, f.opt_state, f.extended_from) == (42, 12, 7, 5, (4, 8))
+def test_llama_3_70b_degree_7_step_and_sync_lower_from_shapes():
+  """gpt_70b (Llama-3-70B's shapes, 80 layers) with one failed slot: the degree-7 class's
+  split step and the cross-replica sync lower from shapes alone (``tests/programs/
+  lower_70b.py``, 16 simulated devices). Its stacked parameters are synced layer by layer
+  (``[80, L]`` buffers), so no index passes int32."""
+  proc = subprocess.run([sys.executable, "tests/programs/lower_70b.py"], cwd=ROOT,
+                        env=process_env(devices=16), capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert got["degrees"] == [7, 8]
+  assert got["buffers"]["bfloat16/80 layers"][0] == 80
+  assert max(shape[-1] for shape in got["buffers"].values()) < 2 ** 31 - 1
+  # [replicas, degree, layers, L] for the degree-7 class's one replica.
+  assert got["class_buffers"]["bfloat16/80 layers"][:3] == [1, 7, 80]
+  assert got["lowered"] == [True, True] and got["sync_all_reduce"]
