@@ -106,8 +106,8 @@ def zero_rows(name, plan, states, itemsize, microbatches) -> list[str]:
   t_min, live = plan.t_min, len(plan.replicas)
   regroups = regroup_plan([(sync_leaves(s, c.degree, t_min), len(c.replicas))
                            for c, s in zip(plan.classes, states)], t_min)
-  length = sum(leaf.block for leaf in sync_leaves(states[0], plan.classes[0].degree, t_min,
-                                                  regroups)) + 1  # the loss element
+  leaves = sync_leaves(states[0], plan.classes[0].degree, t_min, regroups)
+  length = sum(leaf.position_size for leaf in leaves) + 1  # the loss element
   buffer = length * itemsize
   replicated = 2 * (live - 1) / live * buffer
   rows = [("replicated", "-", "-", 0.0, replicated, 0.0)]

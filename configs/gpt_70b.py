@@ -5,9 +5,8 @@ over the 4 replicas of each peer group (``train.optimizer_sharding=zero1``):
 float32 master weights and Adam moments, a quarter per core device. Its dry
 run (``python train.py --config configs/gpt_70b.py --config.dry_run=True``)
 compares this with the replicated optimizer and zero2, healthy and with one
-failed slot, against 80 GiB per device: none fits on 4 x 8 at any DP, and at
-80 layers the split step's int32 indexing cannot build it yet
-(docs/scale.md).
+failed slot, against 80 GiB per device, every program compiled at full depth:
+none fits on 4 x 8 at any DP yet (docs/scale.md).
 """
 
 from configs import base
