@@ -87,6 +87,11 @@ class ClassFootprint:
       buffers are freed before it runs).
     flops: flops per device per step (None when not computed).
     optimizer: how the optimizer state is held (``optimizer_label``).
+    read_back: zero1/zero2: bytes beside the parameters and the pieces while a checkpoint
+      save or a live move reads the sharded state back into the class layout
+      (``ShardedOptimizer.class_opt_states``): the whole class-layout state, and one
+      moment's gathered float32 buffers with the gathering's temporaries; 0 when
+      replicated (the state is saved and moved as held).
   """
 
   replica_class: ReplicaClass
@@ -97,6 +102,7 @@ class ClassFootprint:
   outputs: int
   flops: float | None = None
   optimizer: str = "replicated"
+  read_back: int = 0
 
   @property
   def grads(self) -> int:
@@ -108,6 +114,17 @@ class ClassFootprint:
   def peak(self) -> int:
     """Bytes a device needs: resident state, the batch, step temporaries and fresh outputs."""
     return self.params + self.opt_state + self.batch + self.temp + self.outputs
+
+  @property
+  def save_peak(self) -> int:
+    """Bytes a device needs while a save or a live move reads the state back (``read_back``;
+    between steps: no batch, temporaries or outputs of the step)."""
+    return self.params + self.opt_state + self.read_back
+
+  @property
+  def need(self) -> int:
+    """The most a device needs, in a step or in a save."""
+    return max(self.peak, self.save_peak)
 
 
 # These programs are analysed, never run: skip the backend's code optimisation (LLVM), which
@@ -394,6 +411,11 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       memo[key] = [lowered.compile(compiler_options=ANALYSIS_ONLY)
                    for _, lowered in sharded.lower_step(blocks)]
     update = memo[key]
+    key = (plan.classes, seq_len, unrolled, "gather", zero.copies)
+    if key not in memo:
+      memo[key] = sharded.lower_gather(blocks).compile(compiler_options=ANALYSIS_ONLY)
+    gather = memo[key].memory_analysis()
+    gathering = int(gather.output_size_in_bytes + gather.temp_size_in_bytes)
     state = sharded.abstract_state(blocks)
     opt_bytes = device_bytes(state)
     total_bytes = device_bytes(state["master"])  # zero2's summed pieces: one per element
@@ -420,10 +442,11 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       else:  # the summed pieces live through the step; the update runs without the buffers
         outputs = total_bytes + max(max(fresh), gathered)
         flops += flops_of(update[0]) + (rounds - 1) * flops_of(update[1])
+    read_back = 0 if update is None else device_bytes(program.opt_state) + gathering
     out.append(ClassFootprint(
         replica_class=program.replica_class, params=device_bytes(program.params),
         opt_state=opt, temp=temp, batch=device_bytes(batch), outputs=outputs, flops=flops,
-        optimizer=label))
+        optimizer=label, read_back=read_back))
   return out
 
 
@@ -491,10 +514,11 @@ def shortfall(footprints: Sequence[ClassFootprint], devices: Sequence[jax.Device
 
   CPU devices (real or simulated) share host memory: the sum over every live
   device must fit in what the host has available. An accelerator's
-  ``bytes_limit`` bounds each device's peak.
+  ``bytes_limit`` bounds each device's peak (``ClassFootprint.need``: a step's or a
+  save's, whichever is larger).
   """
   if devices[0].platform == "cpu":
-    need = sum(f.peak * f.replica_class.degree * len(f.replica_class.replicas)
+    need = sum(f.need * f.replica_class.degree * len(f.replica_class.replicas)
                for f in footprints)
     have = host_memory_available()
     if have is not None and need > have:
@@ -503,9 +527,10 @@ def shortfall(footprints: Sequence[ClassFootprint], devices: Sequence[jax.Device
               f" CPU devices, {have / 2**30:.1f} GiB available")
     return None
   capacity = device_capacity(devices[0])
-  worst = max(footprints, key=lambda f: f.peak)
-  if capacity is not None and worst.peak > capacity:
-    return (f"the plan needs {worst.peak / 2**30:.1f} GiB per device (class TP degree "
+  worst = max(footprints, key=lambda f: f.need)
+  if capacity is not None and worst.need > capacity:
+    during = "" if worst.need == worst.peak else " to save its optimizer state"
+    return (f"the plan needs {worst.need / 2**30:.1f} GiB per device{during} (class TP degree "
             f"{worst.replica_class.degree}), a {devices[0].device_kind} holds "
             f"{capacity / 2**30:.1f} GiB; try model.remat=full, a smaller train.batch_size, "
             "or more devices")
@@ -513,17 +538,18 @@ def shortfall(footprints: Sequence[ClassFootprint], devices: Sequence[jax.Device
 
 
 def footprint_table(footprints: Sequence[ClassFootprint]) -> str:
-  """One row per class: per-device GiB of each part, peak, and TFLOP per step (the
-  title names a sharded optimizer state)."""
+  """One row per class: per-device GiB of each part, the step's peak, a save's peak
+  (``ClassFootprint.save_peak``), and TFLOP per step (the title names a sharded optimizer
+  state)."""
   header = ("class", "TP degree", "replicas", "params", "grads", "opt state", "temp",
-            "outputs", "peak", "TFLOP/step")
+            "outputs", "peak", "save peak", "TFLOP/step")
   rows = []
   for f in footprints:
     c = f.replica_class
     flops = "-" if f.flops is None else f"{f.flops / 1e12:.3f}"
     rows.append((str(c.index), str(c.degree), ",".join(map(str, c.replicas)),
                  *(f"{b / 2**30:.3f}" for b in (f.params, f.grads, f.opt_state, f.temp,
-                                                 f.outputs, f.peak)), flops))
+                                                 f.outputs, f.peak, f.save_peak)), flops))
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
   fmt = "  ".join(f"{{:>{w}}}" for w in widths)
   held = {f.optimizer for f in footprints} - {"replicated"}

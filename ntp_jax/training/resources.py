@@ -127,8 +127,9 @@ class Choice:
     plan: ``healthy`` or ``1 failed slot``; degree: its smallest TP degree.
     zero: the sharded optimizer (None: replicated).
     optimizer: its label (``footprint.optimizer_label``).
-    worst: the class footprint with the largest peak (its device needs the most);
-      ``base`` is its peak less its optimizer state (bytes).
+    worst: the class footprint that needs the most (``ClassFootprint.need``: a step's
+      peak or a save's); ``base`` is that less its optimizer state (bytes), the part that
+      does not shrink with more replicas.
     lengths, element_bytes: with ``zero``, the sync buffers' shapes at one position
       (``footprint.sync_buffer_lengths``) and the state's bytes per piece element of each
       (for ``smallest_dp``); else empty.
@@ -144,7 +145,7 @@ class Choice:
 
   @property
   def base(self) -> int:
-    return self.worst.peak - self.worst.opt_state
+    return self.worst.need - self.worst.opt_state
 
 
 def _choices(config: RunConfig) -> list[ZeroSettings | None]:
@@ -181,7 +182,7 @@ def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any
   out = []
   for name, plan, zero in cases:
     worst = max(measured_footprints(config, model, plan, optimizer, devices, zero,
-                                    compiled=memo), key=lambda f: f.peak)
+                                    compiled=memo), key=lambda f: f.need)
     lengths, element = {}, {}
     if zero is not None:  # the same for every choice on the plan
       lengths = memoized_sync_lengths(memo.setdefault(("layers", model.n_layers), {}), plan,
@@ -228,37 +229,41 @@ def comparison_table(choices: Sequence[Choice], capacity: int, device: str, tp: 
   fits ``capacity`` at each TP degree, and, when no sharded choice fits, the smallest DP
   at which the one with the least besides its state would."""
   header = ("plan", "fullest device's TP degree", "optimizer", "params", "grads", "opt state",
-            "temp", "outputs", "peak", f"fits {capacity / GIB:.0f} GiB")
+            "temp", "outputs", "peak", "save peak", f"fits {capacity / GIB:.0f} GiB")
   rows = []
   for c in choices:
     f = c.worst
     rows.append((f"{c.plan} (TP {c.degree})" if c.plan != "healthy" else c.plan,
                  str(f.replica_class.degree), c.optimizer,
                  *(f"{b / GIB:.3f}" for b in (f.params, f.grads, f.opt_state, f.temp, f.outputs,
-                                               f.peak)),
-                 "yes" if f.peak <= capacity else "no"))
+                                               f.peak, f.save_peak)),
+                 "yes" if f.need <= capacity else "no"))
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
   fmt = "  ".join(f"{{:<{w}}}" if i < 3 else f"{{:>{w}}}" for i, w in enumerate(widths))
   lines = [f"optimizer state choices on {dp} x {tp}, per device (GiB, the fullest device of "
            f"each plan; zero1/zero2: a core device) against {capacity / GIB:.0f} GiB ({device}):",
            fmt.format(*header)] + [fmt.format(*r) for r in rows]
   lines.append("peak: params + opt state + batch + temp + outputs (grads live inside temp; "
-               "outputs: what the step's programs give back beside their donated inputs)")
+               "outputs: what the step's programs give back beside their donated inputs); "
+               "save peak: params + opt state + the state read back into the class layout "
+               "by a save or a live move (zero1/zero2)")
   for plan in dict.fromkeys(c.plan for c in choices):
     mine = [c for c in choices if c.plan == plan]
-    fitting = [c.optimizer for c in mine if c.worst.peak <= capacity]
+    fitting = [c.optimizer for c in mine if c.worst.need <= capacity]
     lines.append(f"fits {capacity / GIB:.0f} GiB per device, {plan} (TP degree {mine[0].degree}): "
                  + (", ".join(fitting) if fitting else "none"))
     sharded = [c for c in mine if c.zero is not None]
-    if sharded and not any(c.worst.peak <= capacity for c in sharded):
+    if sharded and not any(c.worst.need <= capacity for c in sharded):
       best = min(sharded, key=lambda c: (c.zero.copies, c.base))
       dp_fit = smallest_dp(best, capacity)
       lines.append(
           f"  {best.zero.name} k={best.zero.copies} fits from DP {dp_fit} (same batch share "
           "per replica)" if dp_fit is not None else
           f"  no DP fits: {best.zero.name} k={best.zero.copies}, the least besides its "
-          f"optimizer state, needs {best.base / GIB:.1f} GiB per device for parameters, "
-          "batch, temporaries and outputs alone")
+          f"optimizer state pieces, needs {best.base / GIB:.1f} GiB per device "
+          + ("for parameters, batch, temporaries and outputs alone"
+             if best.worst.need == best.worst.peak else
+             "in a save, for parameters and the state read back into the class layout"))
   return "\n".join(lines)
 
 
