@@ -52,7 +52,7 @@ from ntp_jax.parallel.steps import (
   abstract_sync_blocks,
   default_loss,
 )
-from ntp_jax.parallel.sync import CrossClassSync
+from ntp_jax.parallel.sync import CrossClassSync, regroup_plan
 from ntp_jax.parallel.sync_leaf import (
   INT32_MAX,
   buffer_dtype,
@@ -366,6 +366,14 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       memo[key] = jitted.lower(*args, **static).compile(compiler_options=ANALYSIS_ONLY)
     return memo[key]
 
+  regroups = None  # the sync positions the job uses (``programs.plan_shapes``)
+  if len(plan.classes) > 1:
+    key = (plan.classes, "regroups")
+    if key not in memo:
+      memo[key] = regroup_plan(
+          [(sync_leaves(abstract_params(lambda c=c: make_model(c.layouts)), c.degree, t_min),
+            len(c.replicas)) for c in plan.classes], t_min)
+    regroups = memo[key]
   classes, rounds = [], 1
   for i, replica_class in enumerate(plan.classes):
     runs = None  # zero2: how many micro-batches of each compiled size the class runs
@@ -374,21 +382,20 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
           plan, replica_class, make_model, optimizer, seq_len, devices)
     program, batch = memo[plan.classes, seq_len, "abstract", i]
     state = (program.graphdef, program.params, program.opt_state, program.mesh, settings)
-    # Split halves with near-equal sync runs (regroups=None), not the job's regroup_plan.
     micro = dict(microbatches=replica_class.microbatches, scan_microbatches=not unrolled)
     if not split:
       step = FusedStep.build(*state, **micro)
       programs = [compile_once((i, "fused"), step.step, program.params, program.opt_state,
                                batch)]
     elif zero is not None and zero.stage == 2:  # one micro-batch's gradient half per size
-      step = SplitStep.build(*state, t_min, **micro)
+      step = SplitStep.build(*state, t_min, regroups, **micro)
       sizes = micro_batches(replica_class.batch_share, replica_class.microbatches)
       start = jax.ShapeDtypeStruct((), np.int32)
       programs = [compile_once((i, "micro", size), step.micro_grad, program.params, batch,
                                start, size=size) for _, size in sizes]
       runs = [n for n, _ in sizes]
     else:
-      step = SplitStep.build(*state, t_min, **micro)
+      step = SplitStep.build(*state, t_min, regroups, **micro)
       programs = [compile_once((i, "grad"), step.grad, program.params, batch)]
       if zero is None:  # the replicated update half (zero runs the sharded update instead)
         blocks = abstract_sync_blocks(step.grad, program.params, batch, program.mesh)
