@@ -1,14 +1,14 @@
 """Whether the devices can hold a plan's step, from shapes, before anything is allocated.
 
 ``train`` calls ``check_footprint`` after planning: with ``dry_run`` it
-prints the per-device memory and flops of every class's step
-(``training.footprint``), and with several replicas a comparison of the
-optimizer-state choices (``train.optimizer_sharding``, ``optimizer_copies``)
-healthy and with one failed slot (``optimizer_choices``), and stops;
-otherwise it does that work only when the resident state takes more than a
-quarter of what the devices hold, and stops with one line when the step
-cannot fit. Every figure counts the optimizer state as the configured choice
-keeps it.
+prints the per-device memory and flops of every class's step and a save's
+peak (``training.footprint``), the same for the plan one failed slot leads
+to, and one line on whether each fits a device and, if not, at which DP the
+configured optimizer state would (``fit_line``), and stops; otherwise it
+does that work only when the resident state takes more than a quarter of
+what the devices hold, and stops with one line when the step cannot fit.
+Every figure counts the optimizer state as the configured choice
+(``train.optimizer_sharding``, ``optimizer_copies``) keeps it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from ntp_jax.training.footprint import (
   device_capacity,
   footprint_table,
   memoized_sync_lengths,
-  optimizer_label,
   per_device_flops,
   piece_element_bytes,
   resident_fraction,
@@ -38,7 +37,7 @@ from ntp_jax.training.footprint import (
   zero_state_bytes,
 )
 from ntp_jax.training.loop import plan_for
-from ntp_jax.training.optim import make_optimizer, zero_settings
+from ntp_jax.training.optim import zero_settings
 
 GIB = 2 ** 30
 # The comparison's device on a CPU host (or an accelerator that does not say): an 80 GB GPU.
@@ -119,102 +118,34 @@ def footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer,
   return [dataclasses.replace(f, flops=x) for f, x in zip(footprints, flops)]
 
 
-@dataclasses.dataclass(frozen=True)
-class Choice:
-  """One optimizer-state choice on one plan: its fullest device.
-
-  Attributes:
-    plan: ``healthy`` or ``1 failed slot``; degree: its smallest TP degree.
-    zero: the sharded optimizer (None: replicated).
-    optimizer: its label (``footprint.optimizer_label``).
-    worst: the class footprint that needs the most (``ClassFootprint.need``: a step's
-      peak or a save's); ``base`` is that less its optimizer state (bytes), the part that
-      does not shrink with more replicas.
-    lengths, element_bytes: with ``zero``, the sync buffers' shapes at one position
-      (``footprint.sync_buffer_lengths``) and the state's bytes per piece element of each
-      (for ``smallest_dp``); else empty.
-  """
-
-  plan: str
-  degree: int
-  zero: ZeroSettings | None
-  optimizer: str
-  worst: ClassFootprint
-  lengths: dict[str, tuple[int, ...]]
-  element_bytes: dict[str, int]
-
-  @property
-  def base(self) -> int:
-    return self.worst.need - self.worst.opt_state
+def _state_bytes(zero: ZeroSettings, lengths: dict[str, tuple[int, ...]],
+                 element_bytes: dict[str, int], replicas: int) -> int:
+  """A core device's sharded state with ``replicas`` live replicas: a piece of each sync
+  buffer (``zero.piece_elements``; ``lengths``: ``footprint.sync_buffer_lengths``) times the
+  state's bytes per piece element (``footprint.piece_element_bytes``)."""
+  pieces = piece_count(replicas, zero.copies)
+  return sum(piece_elements(shape, pieces) * element_bytes[name]
+             for name, shape in lengths.items())
 
 
-def _choices(config: RunConfig) -> list[ZeroSettings | None]:
-  """Replicated, then zero1 and zero2 each with one copy, and with two when there are two
-  replicas."""
-  out: list[ZeroSettings | None] = [None]
-  for sharding in ("zero1", "zero2"):
-    for copies in (1, 2)[:config.mesh.dp]:
-      out.append(zero_settings(dataclasses.replace(config.train, optimizer_sharding=sharding,
-                                                   optimizer_copies=copies)))
-  return out
-
-
-def optimizer_choices(config: RunConfig, model: ModelSpec, devices: Sequence[Any], *,
-                      compiled: dict | None = None) -> list[Choice]:
-  """Per-device memory of each optimizer-state choice (replicated; zero1 and zero2 with 1
-  copy, and 2 with two replicas or more) on ``config``'s mesh, healthy and with one failed slot
-  (replica 0's last; none with ``mesh.tp=1``). Abstract shapes only: each class's programs
-  compiled once for every choice, at full depth (``class_footprints``; ``compiled`` shared
-  with the caller's own footprint of the configured plan).
-
-  Raises:
-    ValueError: a choice asks for more copies than live replicas.
-    ResourceError: a choice's step cannot be built.
-  """
-  memo = {} if compiled is None else compiled
-  failed = [("healthy", frozenset())]
-  if config.mesh.tp > 1:
-    failed.append(("1 failed slot", frozenset({(0, config.mesh.tp - 1)})))
-  optimizer = make_optimizer(config.train)  # the replicated class state's (masked AdamW)
-  cases = [(name, plan_for(config, model, slots), zero)
-           for name, slots in failed for zero in _choices(config)]
-
-  out = []
-  for name, plan, zero in cases:
-    worst = max(measured_footprints(config, model, plan, optimizer, devices, zero,
-                                    compiled=memo), key=lambda f: f.need)
-    lengths, element = {}, {}
-    if zero is not None:  # the same for every choice on the plan
-      lengths = memoized_sync_lengths(memo.setdefault(("layers", model.n_layers), {}), plan,
-                                      model.make)
-      element = piece_element_bytes(plan, model.make, devices, zero, lengths)
-    out.append(Choice(name, plan.t_min, zero, optimizer_label(zero, len(plan.replicas)),
-                      worst, lengths, element))
-  return out
-
-
-def choice_state_bytes(choice: Choice, replicas: int) -> int:
-  """A core device's sharded state for ``choice`` (zero1 or zero2) with ``replicas`` live replicas:
-  a piece of each buffer (``zero.piece_elements``) times the state's bytes per element."""
-  pieces = piece_count(replicas, choice.zero.copies)
-  return sum(piece_elements(shape, pieces) * choice.element_bytes[name]
-             for name, shape in choice.lengths.items())
-
-
-def smallest_dp(choice: Choice, capacity: int, limit: int = 4096) -> int | None:
-  """The fewest replicas at which ``choice`` (zero1 or zero2) fits ``capacity`` bytes per
-  device, each replica keeping its batch share and micro-batches, with the temporaries and
-  outputs measured on this mesh (the update's piece-sized temporaries and zero2's summed
-  pieces only shrink with more replicas: an upper bound); None when none up to ``limit``
-  does."""
-  for replicas in range(choice.zero.copies, limit + 1):
-    if choice.base + choice_state_bytes(choice, replicas) <= capacity:
+def smallest_dp(fullest: ClassFootprint, replicas: int, zero: ZeroSettings,
+                lengths: dict[str, tuple[int, ...]], element_bytes: dict[str, int],
+                capacity: int, limit: int = 4096) -> int | None:
+  """The fewest replicas at which a sharded state (``zero``) lets ``fullest`` (the device
+  that needs the most, on a plan of ``replicas`` live replicas) fit ``capacity`` bytes,
+  each replica keeping its batch share, with the temporaries and outputs measured on this
+  mesh (an upper bound: the update's piece-sized temporaries only shrink with more
+  replicas); None when none up to ``limit`` does."""
+  # What does not shrink with more replicas (the step counts included).
+  base = fullest.need - _state_bytes(zero, lengths, element_bytes, replicas)
+  for replicas in range(zero.copies, limit + 1):
+    if base + _state_bytes(zero, lengths, element_bytes, replicas) <= capacity:
       return replicas
   return None
 
 
 def comparison_capacity(devices: Sequence[Any]) -> tuple[int, str]:
-  """Bytes per device the comparison is held against, and what they are: an accelerator's
+  """Bytes per device the fit is judged against, and what they are: an accelerator's
   ``bytes_limit``; on CPU (or when unknown) an 80 GB GPU's 80 GiB."""
   if devices[0].platform != "cpu":
     capacity = device_capacity(devices[0])
@@ -223,48 +154,37 @@ def comparison_capacity(devices: Sequence[Any]) -> tuple[int, str]:
   return REFERENCE_DEVICE_BYTES, "an 80 GB GPU"
 
 
-def comparison_table(choices: Sequence[Choice], capacity: int, device: str, tp: int,
-                     dp: int) -> str:
-  """The choices as one table (per-device GiB of the fullest device of each plan), which
-  fits ``capacity`` at each TP degree, and, when no sharded choice fits, the smallest DP
-  at which the one with the least besides its state would."""
-  header = ("plan", "fullest device's TP degree", "optimizer", "params", "grads", "opt state",
-            "temp", "outputs", "peak", "save peak", f"fits {capacity / GIB:.0f} GiB")
-  rows = []
-  for c in choices:
-    f = c.worst
-    rows.append((f"{c.plan} (TP {c.degree})" if c.plan != "healthy" else c.plan,
-                 str(f.replica_class.degree), c.optimizer,
-                 *(f"{b / GIB:.3f}" for b in (f.params, f.grads, f.opt_state, f.temp, f.outputs,
-                                               f.peak, f.save_peak)),
-                 "yes" if f.need <= capacity else "no"))
-  widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-  fmt = "  ".join(f"{{:<{w}}}" if i < 3 else f"{{:>{w}}}" for i, w in enumerate(widths))
-  lines = [f"optimizer state choices on {dp} x {tp}, per device (GiB, the fullest device of "
-           f"each plan; zero1/zero2: a core device) against {capacity / GIB:.0f} GiB ({device}):",
-           fmt.format(*header)] + [fmt.format(*r) for r in rows]
-  lines.append("peak: params + opt state + batch + temp + outputs (grads live inside temp; "
-               "outputs: what the step's programs give back beside their donated inputs); "
-               "save peak: params + opt state + the state read back into the class layout "
-               "by a save or a live move (zero1/zero2)")
-  for plan in dict.fromkeys(c.plan for c in choices):
-    mine = [c for c in choices if c.plan == plan]
-    fitting = [c.optimizer for c in mine if c.worst.need <= capacity]
-    lines.append(f"fits {capacity / GIB:.0f} GiB per device, {plan} (TP degree {mine[0].degree}): "
-                 + (", ".join(fitting) if fitting else "none"))
-    sharded = [c for c in mine if c.zero is not None]
-    if sharded and not any(c.worst.need <= capacity for c in sharded):
-      best = min(sharded, key=lambda c: (c.zero.copies, c.base))
-      dp_fit = smallest_dp(best, capacity)
-      lines.append(
-          f"  {best.zero.name} k={best.zero.copies} fits from DP {dp_fit} (same batch share "
-          "per replica)" if dp_fit is not None else
-          f"  no DP fits: {best.zero.name} k={best.zero.copies}, the least besides its "
-          f"optimizer state pieces, needs {best.base / GIB:.1f} GiB per device "
-          + ("for parameters, batch, temporaries and outputs alone"
-             if best.worst.need == best.worst.peak else
-             "in a save, for parameters and the state read back into the class layout"))
-  return "\n".join(lines)
+def fit_line(config: RunConfig, model: ModelSpec, plans: Sequence[tuple[str, Plan, list]],
+             devices: Sequence[Any], compiled: dict) -> str:
+  """One line: whether the configured optimizer state's plans (``(name, plan, footprints)``)
+  fit a device (``comparison_capacity``), each with what its fullest device needs (a step's
+  peak or a save's), and what would fit: with a sharded state, the smallest DP
+  (``smallest_dp``) or the bytes that no DP shrinks."""
+  capacity, device = comparison_capacity(devices)
+  zero = zero_settings(config.train)
+  parts, widest = [], None
+  for name, plan, footprints in plans:
+    fullest = max(footprints, key=lambda f: f.need)
+    where = "a save" if fullest.need > fullest.peak else "a step"
+    parts.append(f"{name} (TP {plan.t_min}) {'yes' if fullest.need <= capacity else 'no'}, "
+                 f"{fullest.need / GIB:.1f} GiB in {where}")
+    if widest is None or fullest.need > widest[1].need:
+      widest = (plan, fullest)
+  line = f"fits {capacity / GIB:.0f} GiB per device ({device}): " + "; ".join(parts)
+  if widest[1].need <= capacity:
+    return line
+  if zero is None:
+    return line + ("; a replicated optimizer state does not shrink with DP "
+                   "(train.optimizer_sharding=zero1 or zero2 splits it over the replicas)")
+  plan, fullest = widest
+  memo = compiled.setdefault(("layers", model.n_layers), {})
+  lengths = memoized_sync_lengths(memo, plan, model.make)
+  element = piece_element_bytes(plan, model.make, devices, zero, lengths)
+  dp = smallest_dp(fullest, len(plan.replicas), zero, lengths, element, capacity)
+  if dp is not None:
+    return line + f"; {zero.name} k={zero.copies} fits from DP {dp} (same batch share per replica)"
+  return line + (f"; at no DP: {(fullest.need - fullest.opt_state) / GIB:.1f} GiB per device "
+                 "besides the optimizer state pieces")
 
 
 def check_footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer, devices,
@@ -296,10 +216,17 @@ def check_footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer, 
       f"(6 x parameters): {6 * model.param_count:.3e}")
   problem = shortfall(footprints, devices)
   if dry_run:
-    if config.mesh.dp > 1:
-      capacity, device = comparison_capacity(devices)
-      log(comparison_table(optimizer_choices(config, model, devices, compiled=compiled),
-                           capacity, device, config.mesh.tp, config.mesh.dp))
+    plans = [("this plan" if config.ntp.failed else "healthy", plan, footprints)]
+    if not config.ntp.failed and config.mesh.tp > 1:  # where the first failure leads
+      failed = plan_for(config, model, frozenset({(0, config.mesh.tp - 1)}))
+      # Memory only: its flops would take four more compiles of unrolled models.
+      degraded = measured_footprints(config, model, failed, optimizer, devices,
+                                     zero_settings(config.train), compiled=compiled)
+      degraded = [dataclasses.replace(f, flops=None) for f in degraded]
+      log(f"after a failed slot (replica 0's last): {failed.describe().splitlines()[0]}")
+      log(footprint_table(degraded))
+      plans.append(("1 failed slot", failed, degraded))
+    log(fit_line(config, model, plans, devices, compiled))
     log(f"dry run: {problem or 'the devices can hold this plan'}")
     return footprints
   if problem:

@@ -135,16 +135,49 @@ def test_dry_run_allocates_nothing_and_reports_every_class(tmp_path):
   assert [f.replica_class.degree for f in footprints] == [4, 3]
   assert all(f.temp > 0 and f.flops > 0 for f in footprints)
   assert "dry run: the devices can hold this plan" in logged
-  # With two replicas, one table of the optimizer-state choices, healthy and degraded.
-  table = next(line for line in logged if line.startswith("optimizer state choices on 2 x 4"))
-  rows = table.splitlines()[2:12]
-  assert [r.split()[0] for r in rows] == ["healthy"] * 5 + ["1"] * 5
-  labels = ["replicated", "zero1 k=1 (2 pieces)", "zero1 k=2 (1 piece)", "zero2 k=1 (2 pieces)",
-            "zero2 k=2 (1 piece)"]
-  for row, label in zip(rows, labels * 2):
-    assert f"  {label}  " in row, row
-  assert "fits 80 GiB per device, healthy (TP degree 4): " + ", ".join(labels) in table
-  assert "1 failed slot (TP degree 3)" in table
+  # One line: whether each plan fits an 80 GB GPU (this one, with a failed slot already).
+  [fit] = [line for line in logged if line.startswith("fits 80 GiB per device")]
+  assert fit.startswith("fits 80 GiB per device (an 80 GB GPU): this plan (TP 3) yes, ")
+  assert not [line for line in logged if line.startswith("after a failed slot")]
+
+
+def test_dry_run_of_a_healthy_plan_shows_where_a_failure_leads(tmp_path):
+  """A healthy plan's dry run also prints the plan one failed slot leads to, with the
+  configured optimizer state, and one line on whether each fits; a device too small for
+  either says at which DP the sharded state would fit."""
+  from ntp_jax.training.optim import zero_settings
+  from ntp_jax.training.resources import fit_line
+  logged = []
+  config = _dry(micro_config(tmp_path, **{"mesh.dp": 2, "mesh.tp": 4,
+                                         "train.optimizer_sharding": "zero1"}))
+  summary = train(config, log=logged.append)
+  [after] = [i for i, line in enumerate(logged) if line.startswith("after a failed slot")]
+  assert "7 live devices" in logged[after]
+  assert "zero1 k=1 (2 pieces)" in logged[after + 1]
+  [fit] = [line for line in logged if line.startswith("fits 80 GiB per device")]
+  assert re.search(r"healthy \(TP 4\) yes, [\d.]+ GiB in a (step|save); 1 failed slot \(TP 3\) "
+                   r"yes", fit), fit
+  # Judged against a device that holds half the fullest device's pieces more than its
+  # need without them: at DP 4 the pieces are half as large.
+  run = RunConfig.from_config(config)
+  spec = gpt_spec(GPTConfig.from_config(config.model), 0)
+  import ntp_jax.training.resources as resources
+  from ntp_jax.training.footprint import piece_element_bytes, sync_buffer_lengths
+  fullest = max(summary.footprints, key=lambda f: f.need)
+  plan = plan_of(config, spec, "")
+  zero = zero_settings(run.train)
+  lengths = sync_buffer_lengths(plan, spec.make)
+  element = piece_element_bytes(plan, spec.make, jax.devices(), zero, lengths)
+  small = (fullest.need - resources._state_bytes(zero, lengths, element, 2)
+           + resources._state_bytes(zero, lengths, element, 4))
+  original = resources.REFERENCE_DEVICE_BYTES
+  try:
+    resources.REFERENCE_DEVICE_BYTES = small
+    line = fit_line(run, spec, [("healthy", plan, summary.footprints)], jax.devices(), {})
+  finally:
+    resources.REFERENCE_DEVICE_BYTES = original
+  assert " no, " in line and line.endswith("zero1 k=1 fits from DP 4 (same batch share per "
+                                           "replica)"), line
 
 
 def test_full_remat_keeps_less_and_recomputes_more(tmp_path):
