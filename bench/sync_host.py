@@ -11,8 +11,8 @@ Reported per step, after compilation: the time the host spends in
 ``CrossClassSync.__call__`` (assembling the peer-group buffers, dispatching
 the all-reduce, handing the results back; timed on ready buffers with the
 devices idle, not waiting for the all-reduce) and the whole step's wall
-time. The sync moves one flat buffer per dtype and device, so its host time
-should not grow with the parameter count.
+time. The sync moves a few buffers per device (one per dtype and stack of
+layers), so its host time should not grow with the parameter count.
 """
 
 import argparse

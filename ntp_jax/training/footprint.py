@@ -89,9 +89,10 @@ class ClassFootprint:
     optimizer: how the optimizer state is held (``optimizer_label``).
     read_back: zero1/zero2: bytes beside the parameters and the pieces while a checkpoint
       save or a live move reads the sharded state back into the class layout
-      (``ShardedOptimizer.class_opt_states``): the whole class-layout state, and one
-      moment's gathered float32 buffers with the gathering's temporaries; 0 when
-      replicated (the state is saved and moved as held).
+      (``ShardedOptimizer.class_opt_states``): the whole class-layout state, the class's
+      float32 packed buffers (the unpacking's templates), and one moment's gathered
+      float32 buffers with the gathering's temporaries (the unpacking's own temporaries
+      left out); 0 when replicated (the state is saved and moved as held).
   """
 
   replica_class: ReplicaClass
@@ -253,8 +254,8 @@ def memoized_split_step_overrun(memo: dict, plan: Plan,
   return memo[key]
 
 
-def memoized_sync_lengths(memo: dict, plan: Plan,
-                          make_model: Callable[[Any], nnx.Module]) -> dict[str, int]:
+def memoized_sync_lengths(memo: dict, plan: Plan, make_model: Callable[[Any], nnx.Module]
+                          ) -> dict[str, tuple[int, ...]]:
   """``sync_buffer_lengths`` kept in ``memo`` (one model depth's memo, as
   ``class_footprints`` takes it) under the plan's classes."""
   key = ("sync lengths", plan.classes)
@@ -423,12 +424,15 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       memo[key] = sharded.lower_gather(blocks).compile(compiler_options=ANALYSIS_ONLY)
     gather = memo[key].memory_analysis()
     gathering = int(gather.output_size_in_bytes + gather.temp_size_in_bytes)
+    # class_opt_states keeps each class's float32 packed buffers as templates throughout.
+    templates = [device_bytes(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, np.float32, sharding=x.sharding), b)) for b in blocks]
     state = sharded.abstract_state(blocks)
     opt_bytes = device_bytes(state)
     total_bytes = device_bytes(state["master"])  # zero2's summed pieces: one per element
 
   out = []
-  for program, batch, _, programs, runs in classes:
+  for i, (program, batch, _, programs, runs) in enumerate(classes):
     memory = [c.memory_analysis() for c in programs]
     fresh = [int(m.output_size_in_bytes - m.alias_size_in_bytes) for m in memory]
     if runs is None:
@@ -449,7 +453,8 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       else:  # the summed pieces live through the step; the update runs without the buffers
         outputs = total_bytes + max(max(fresh), gathered)
         flops += flops_of(update[0]) + (rounds - 1) * flops_of(update[1])
-    read_back = 0 if update is None else device_bytes(program.opt_state) + gathering
+    read_back = (0 if update is None else
+                 device_bytes(program.opt_state) + gathering + templates[i])
     out.append(ClassFootprint(
         replica_class=program.replica_class, params=device_bytes(program.params),
         opt_state=opt, temp=temp, batch=device_bytes(batch), outputs=outputs, flops=flops,

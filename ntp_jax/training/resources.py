@@ -100,7 +100,7 @@ def footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer,
   calls on this config and model.
 
   Raises:
-    ResourceError: the step cannot be built and cannot be measured at fewer layers.
+    ResourceError: the step's programs cannot be built (``measured_footprints``).
   """
   zero = zero_settings(config.train)
   args = (optimizer, config.train.clip_norm, config.train.seq_len, devices)
@@ -191,8 +191,8 @@ def check_footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer, 
                     log: Callable[[str], None]) -> list[ClassFootprint] | None:
   """The memory and compute plan, before anything is allocated.
 
-  With ``dry_run`` it is printed and returned (with several replicas, followed by
-  ``optimizer_choices`` as one table). Otherwise it is worked out only when the
+  With ``dry_run`` it is printed and returned (with several replicas, followed by the
+  plan one failed slot leads to and ``fit_line``). Otherwise it is worked out only when the
   resident state (parameters and optimizer state, from shapes) takes more than a
   quarter of what the devices hold; then, if the step cannot fit, it is printed and the
   run stops. The optimizer state is the configured choice's (``train.optimizer_sharding``).
