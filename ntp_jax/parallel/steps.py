@@ -344,7 +344,7 @@ class SplitStep:
     degree = mesh.devices.shape[1]
     # Computed once, host side: every walker of both halves reads these descriptors.
     leaves = sync_leaves(jax.eval_shape(unstack_local, params), degree, t_min, regroups)
-    overrun = int32_overrun(leaves)
+    overrun = int32_overrun(leaves, sharded=False)  # the sharded optimizer checks its rows
     if overrun is not None:  # before tracing: numpy would fail deep inside it
       raise OverflowError(f"the split step at TP degree {degree} would index {overrun[1]:,} "
                           f"elements of {overrun[0]} per device with int32 (at most "

@@ -303,17 +303,18 @@ def buffer_shapes(leaves: tuple[SyncLeaf, ...], loss: bool = True) -> dict[str, 
           for name, n in lengths.items()}
 
 
-def int32_overrun(leaves: tuple[SyncLeaf, ...]) -> tuple[str, int] | None:
+def int32_overrun(leaves: tuple[SyncLeaf, ...], sharded: bool = True) -> tuple[str, int] | None:
   """``(what, elements)`` of the first run the split step would index past ``INT32_MAX``
   elements on one device: a parameter's packing (one layer's run on its slot plus its extra
-  piece; a replicated one's elements plus its run), or a buffer's row (``buffer_shapes``),
-  which the sharded optimizer cuts into pieces; None when every one fits. The one place
-  the bound is known: the split step's index arithmetic is int32."""
+  piece; a replicated one's elements plus its run), or, with ``sharded``, a buffer's row
+  (``buffer_shapes``), which the sharded optimizer cuts into pieces at dynamic offsets (the
+  sync alone slices rows at static ones); None when every one fits. The one place the
+  bound is known: the split step's index arithmetic is int32."""
   for leaf in leaves:
     indexed = (leaf.flat.block if isinstance(leaf, SplitSync) else leaf.numel) + leaf.block
     if indexed > INT32_MAX:
       return leaf.key, indexed
-  for name, shape in buffer_shapes(leaves).items():
+  for name, shape in buffer_shapes(leaves).items() if sharded else ():
     if shape[-1] > INT32_MAX:
       return f"the {name} sync buffer", shape[-1]
   return None

@@ -191,21 +191,22 @@ def sync_buffer_lengths(plan: Plan, make_model: Callable[[Any], nnx.Module]
                                    t_min))
 
 
-def split_step_overrun(plan: Plan, make_model: Callable[[Any], nnx.Module]) -> str | None:
-  """Why ``plan``'s split step (and the sharded optimizer over its buffers) cannot be built,
-  in words, from shapes: a run it would index past ``2**31 - 1`` elements on one device
-  (``sync_leaf.int32_overrun``); None when it can."""
+def split_step_overrun(plan: Plan, make_model: Callable[[Any], nnx.Module],
+                       sharded: bool) -> str | None:
+  """Why ``plan``'s split step (and, ``sharded``, the sharded optimizer over its buffers)
+  cannot be built, in words, from shapes: a run it would index past ``2**31 - 1`` elements
+  on one device (``sync_leaf.int32_overrun``); None when it can."""
   t_min = min(c.degree for c in plan.classes)
   for c in plan.classes:
     leaves = sync_leaves(abstract_params(lambda c=c: make_model(c.layouts)), c.degree, t_min)
-    overrun = int32_overrun(leaves)
+    overrun = int32_overrun(leaves, sharded)
     if overrun is not None:
       return (f"the split step at TP degree {c.degree} would index {overrun[1]:,} elements "
               f"of {overrun[0]} per device with int32 (at most {INT32_MAX:,})")
   return None
 
 
-def check_split_step(plan: Plan, model: ModelSpec) -> None:
+def check_split_step(plan: Plan, model: ModelSpec, sharded: bool) -> None:
   """Refuse, before building it, a plan whose split step (replicas of several TP degrees,
   the sharded optimizer, or a multi-process job's halves) cannot be built: int32 index
   arithmetic past ``2**31 - 1`` elements (``split_step_overrun``). A model under
@@ -216,7 +217,7 @@ def check_split_step(plan: Plan, model: ModelSpec) -> None:
   """
   if 2 * model.param_count <= INT32_MAX:  # no leaf nor buffer can reach the bound
     return
-  overrun = split_step_overrun(plan, model.make)
+  overrun = split_step_overrun(plan, model.make, sharded)
   if overrun is not None:
     degrees = [r.degree for r in plan.replicas]
     raise ConfigError(f"model: {model.name} on the plan with TP degrees {degrees}: {overrun}; "
@@ -225,7 +226,8 @@ def check_split_step(plan: Plan, model: ModelSpec) -> None:
 
 
 def failure_overrun(plan: Plan, failed: frozenset[tuple[int, int]],
-                    failed_plan: Callable[[frozenset], Plan], model: ModelSpec) -> str | None:
+                    failed_plan: Callable[[frozenset], Plan], model: ModelSpec,
+                    sharded: bool) -> str | None:
   """Why a failure would stop a run of ``plan`` (one line), or None: the plan one more
   failed slot leads to (``failed_plan(failed | {slot})``, ``failed`` the plan's failed
   ``(replica, slot)`` pairs, the slot the last live one of the first replica of two or
@@ -237,20 +239,20 @@ def failure_overrun(plan: Plan, failed: frozenset[tuple[int, int]],
   if replica is None:
     return None
   after = failed_plan(frozenset(failed) | {(replica.replica, replica.live_slots[-1])})
-  overrun = split_step_overrun(after, model.make)
+  overrun = split_step_overrun(after, model.make, sharded)
   if overrun is None:
     return None
   return (f"a failed slot would stop this run: on the plan it leads to (TP degrees "
           f"{[r.degree for r in after.replicas]}) {overrun}")
 
 
-def memoized_split_step_overrun(memo: dict, plan: Plan,
-                                make_model: Callable[[Any], nnx.Module]) -> str | None:
+def memoized_split_step_overrun(memo: dict, plan: Plan, make_model: Callable[[Any], nnx.Module],
+                                sharded: bool) -> str | None:
   """``split_step_overrun`` kept in ``memo`` (one model depth's memo, as
   ``class_footprints`` takes it) under the plan's classes."""
-  key = ("split step overrun", plan.classes)
+  key = ("split step overrun", plan.classes, sharded)
   if key not in memo:
-    memo[key] = split_step_overrun(plan, make_model)
+    memo[key] = split_step_overrun(plan, make_model, sharded)
   return memo[key]
 
 
@@ -357,7 +359,7 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
   split = len(plan.classes) > 1 or zero is not None
   label = optimizer_label(zero, len(plan.replicas))
   if split:  # known from shapes, before tracing or compiling anything
-    overrun = memoized_split_step_overrun(memo, plan, make_model)
+    overrun = memoized_split_step_overrun(memo, plan, make_model, zero is not None)
     if overrun is not None:
       raise OverflowError(overrun)
 

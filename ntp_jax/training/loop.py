@@ -207,7 +207,7 @@ class TrainingRun:
     # The sharded optimizer and steps that commit take the split halves.
     split = arrive or commits or self.zero is not None
     if split or len(plan.classes) > 1:
-      check_split_step(plan, self.model)
+      check_split_step(plan, self.model, self.zero is not None)
     state.programs = build_class_programs(plan, self.model.make, self.optimizer,
                                           self.config.train.clip_norm, self.global_tokens(plan),
                                           self.devices, source=source, cache=self.cache,

@@ -234,14 +234,14 @@ def train(config, *, model: ModelSpec | None = None, log=print,
   zero = zero_settings(config.train)
   if len(plan.classes) > 1 or zero is not None:
     try:
-      check_split_step(plan, model)
+      check_split_step(plan, model, zero is not None)
       unbuildable = None
     except ConfigError as err:
       if not config.dry_run:
         raise
       unbuildable = f"this plan cannot be built: {err}"
   else:
-    unbuildable = failure_overrun(plan, config.ntp.failed, plan_of, model)
+    unbuildable = failure_overrun(plan, config.ntp.failed, plan_of, model, zero is not None)
   if unbuildable is not None and not config.dry_run:  # before the memory plan, which may stop it
     log(f"warning: {unbuildable}")
   footprints = check_footprint(config, model, plan, optimizer, devices, log)

@@ -377,12 +377,12 @@ def test_a_step_past_int32_indexing_is_refused_before_compiling(tmp_path):
     class_footprints(plan, spec.make, make_optimizer(run.train), 1.0,
                      config.train.seq_len, jax.devices(), zero=zero_settings(run.train))
   with pytest.raises(ConfigError, match=r"^model: .* TP degrees \[4, 4\]: " + table):
-    check_split_step(plan, spec)
+    check_split_step(plan, spec, sharded=True)
   # Replicated, one TP degree: the fused step builds; a failed slot's plan would not.
   asked = []
   warning = failure_overrun(
       plan, frozenset(), lambda failed: asked.append(failed) or plan_for(run, spec, failed),
-      spec)
+      spec, sharded=False)
   assert asked == [{(0, 3)}]  # the first replica's last live slot
   assert warning.startswith("a failed slot would stop this run: on the plan it leads to "
                             "(TP degrees [3, 4]) the split step at TP degree "), warning
