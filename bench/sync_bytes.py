@@ -39,7 +39,7 @@ from flax import nnx  # noqa: E402
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import abstract_params  # noqa: E402
-from ntp_jax.parallel.sync import regroup_plan, sync_traffic  # noqa: E402
+from ntp_jax.parallel.sync import plan_regroups, sync_traffic  # noqa: E402
 from ntp_jax.parallel.sync_leaf import sync_leaves  # noqa: E402
 from ntp_jax.parallel.zero import piece_count  # noqa: E402
 from ntp_jax.training.config import parse_failed  # noqa: E402
@@ -104,8 +104,7 @@ def zero_rows(name, plan, states, itemsize, microbatches) -> list[str]:
   ZeRO-1 and ZeRO-2 (``microbatches`` a step) with one and two copies (the formulas in the
   module docstring)."""
   t_min, live = plan.t_min, len(plan.replicas)
-  regroups = regroup_plan([(sync_leaves(s, c.degree, t_min), len(c.replicas))
-                           for c, s in zip(plan.classes, states)], t_min)
+  regroups = plan_regroups(plan, states)
   leaves = sync_leaves(states[0], plan.classes[0].degree, t_min, regroups)
   length = sum(leaf.position_size for leaf in leaves) + 1  # the loss element
   buffer = length * itemsize

@@ -35,8 +35,7 @@ from ntp_jax.parallel.steps import (
   abstract_sync_blocks,
   default_loss,
 )
-from ntp_jax.parallel.sync import CrossClassSync, regroup_plan
-from ntp_jax.parallel.sync_leaf import sync_leaves
+from ntp_jax.parallel.sync import CrossClassSync, plan_regroups
 from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer, runs_of
 from ntp_jax.program_cache import ProgramCache
 from ntp_jax.sharding.mesh import DP, TP, class_mesh
@@ -161,9 +160,8 @@ def plan_shapes(plan: Plan, make_model: Callable[[Any], nnx.Module],
   t_min = min(c.degree for c in plan.classes)
   regroups = None
   if len(plan.classes) > 1:  # where each element is synced: chosen once, for every class
-    regroups = regroup_plan([(sync_leaves(jax.eval_shape(unstack_local, t["params"]), c.degree,
-                                          t_min), len(c.replicas))
-                             for c, (_, t) in zip(plan.classes, targets)], t_min)
+    regroups = plan_regroups(plan, [jax.eval_shape(unstack_local, t["params"])
+                                    for _, t in targets])
   return PlanShapes(plan, meshes, targets, t_min, regroups)
 
 

@@ -104,6 +104,18 @@ def regroup_plan(class_leaves: Sequence[tuple[Sequence[SyncLeaf], int]],
   return {key: choose_regroup(layouts, t_min) for key, layouts in sources.items()}
 
 
+def plan_regroups(plan, params_by_class: Sequence[nnx.State]) -> dict[str, Regroup]:
+  """The sync positions a job of ``plan`` uses (``regroup_plan`` over every class).
+
+  Args:
+    plan: the job's ``Plan``.
+    params_by_class: each class's local (unstacked) parameter state, shapes suffice.
+  """
+  t_min = min(c.degree for c in plan.classes)
+  return regroup_plan([(sync_leaves(state, c.degree, t_min), len(c.replicas))
+                       for c, state in zip(plan.classes, params_by_class, strict=True)], t_min)
+
+
 def pack_buffers(blocks: dict, loss: jax.Array,
                  leaves: Sequence[SyncLeaf]) -> dict[str, jax.Array]:
   """Sync blocks (``path -> [1, n]``, stacked ``[1, layers, n]``) -> one buffer per
@@ -297,8 +309,7 @@ def sync_traffic(plan, abstract_params_by_class: list[nnx.State], itemsize: int 
   t_min = min(c.degree for c in plan.classes)
   live = len(plan.replicas)
   if regroups is None:
-    regroups = regroup_plan([(sync_leaves(state, c.degree, t_min), len(c.replicas))
-                             for c, state in zip(plan.classes, abstract_params_by_class)], t_min)
+    regroups = plan_regroups(plan, abstract_params_by_class)
   intra = cross = logical = 0
   for c, state in zip(plan.classes, abstract_params_by_class):
     for leaf in sync_leaves(state, c.degree, t_min, regroups):

@@ -52,7 +52,7 @@ from ntp_jax.parallel.steps import (
   abstract_sync_blocks,
   default_loss,
 )
-from ntp_jax.parallel.sync import CrossClassSync, regroup_plan
+from ntp_jax.parallel.sync import CrossClassSync, plan_regroups
 from ntp_jax.parallel.sync_leaf import (
   INT32_MAX,
   buffer_dtype,
@@ -373,9 +373,8 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
   if len(plan.classes) > 1:
     key = (plan.classes, "regroups")
     if key not in memo:
-      memo[key] = regroup_plan(
-          [(sync_leaves(abstract_params(lambda c=c: make_model(c.layouts)), c.degree, t_min),
-            len(c.replicas)) for c in plan.classes], t_min)
+      memo[key] = plan_regroups(plan, [abstract_params(lambda c=c: make_model(c.layouts))
+                                       for c in plan.classes])
     regroups = memo[key]
   classes, rounds = [], 1
   for i, replica_class in enumerate(plan.classes):
