@@ -162,18 +162,6 @@ def piece_elements(shape: Sequence[int], pieces: int) -> int:
   return int(np.prod(shape[:-1], dtype=np.int64)) * -(-shape[-1] // pieces)
 
 
-def state_bytes(buffer_shapes: dict[str, tuple[int, ...]], replicas: int, copies: int) -> int:
-  """Bytes one core device holds of the sharded state (float32 master weights and two
-  float32 Adam moments; the two int32 step counts left out), for sync buffers of
-  ``buffer_shapes`` (``sync_leaf.buffer_shapes``).
-
-  Devices past the core slots hold none. For the memory plan.
-  """
-  pieces = piece_count(replicas, copies)
-  item = np.dtype(MASTER_DTYPE).itemsize
-  return sum(piece_elements(shape, pieces) * 3 * item for shape in buffer_shapes.values())
-
-
 def _lead(x):
   """Inside the body: a piece ``[..., piece]`` -> its block ``[1, 1, ..., piece]`` (scalars
   stay)."""

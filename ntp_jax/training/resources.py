@@ -118,8 +118,8 @@ def footprint(config: RunConfig, model: ModelSpec, plan: Plan, optimizer,
   return [dataclasses.replace(f, flops=x) for f, x in zip(footprints, flops)]
 
 
-def _state_bytes(zero: ZeroSettings, lengths: dict[str, tuple[int, ...]],
-                 element_bytes: dict[str, int], replicas: int) -> int:
+def sharded_state_bytes(zero: ZeroSettings, lengths: dict[str, tuple[int, ...]],
+                        element_bytes: dict[str, int], replicas: int) -> int:
   """A core device's sharded state with ``replicas`` live replicas: a piece of each sync
   buffer (``zero.piece_elements``; ``lengths``: ``footprint.sync_buffer_lengths``) times the
   state's bytes per piece element (``footprint.piece_element_bytes``)."""
@@ -137,9 +137,9 @@ def smallest_dp(fullest: ClassFootprint, replicas: int, zero: ZeroSettings,
   mesh (an upper bound: the update's piece-sized temporaries only shrink with more
   replicas); None when none up to ``limit`` does."""
   # What does not shrink with more replicas (the step counts included).
-  base = fullest.need - _state_bytes(zero, lengths, element_bytes, replicas)
+  base = fullest.need - sharded_state_bytes(zero, lengths, element_bytes, replicas)
   for replicas in range(zero.copies, limit + 1):
-    if base + _state_bytes(zero, lengths, element_bytes, replicas) <= capacity:
+    if base + sharded_state_bytes(zero, lengths, element_bytes, replicas) <= capacity:
       return replicas
   return None
 

@@ -168,8 +168,8 @@ def test_dry_run_of_a_healthy_plan_shows_where_a_failure_leads(tmp_path):
   zero = zero_settings(run.train)
   lengths = sync_buffer_lengths(plan, spec.make)
   element = piece_element_bytes(plan, spec.make, jax.devices(), zero, lengths)
-  small = (fullest.need - resources._state_bytes(zero, lengths, element, 2)
-           + resources._state_bytes(zero, lengths, element, 4))
+  small = (fullest.need - resources.sharded_state_bytes(zero, lengths, element, 2)
+           + resources.sharded_state_bytes(zero, lengths, element, 4))
   original = resources.REFERENCE_DEVICE_BYTES
   try:
     resources.REFERENCE_DEVICE_BYTES = small
@@ -234,10 +234,14 @@ def test_zero1_optimizer_bytes_match_the_hand_count(tmp_path):
   the stacked layers are laid out layer by layer in a ``[layers, L]`` buffer (each one's
   run at t_min positions per layer); the tables, the norms (replicated: whole, stacked or
   not) and the loss element in a flat one."""
-  from ntp_jax.parallel.zero import piece_count, state_bytes
-  from ntp_jax.training.footprint import sync_buffer_lengths, zero_state_bytes
+  from ntp_jax.parallel.zero import piece_count
+  from ntp_jax.training.footprint import (
+    piece_element_bytes,
+    sync_buffer_lengths,
+    zero_state_bytes,
+  )
   from ntp_jax.training.optim import zero_settings
-  from ntp_jax.training.resources import resident_bytes
+  from ntp_jax.training.resources import resident_bytes, sharded_state_bytes
   config = micro_config(tmp_path, **{"mesh.dp": 2, "mesh.tp": 4,
                                     "train.optimizer_sharding": "zero1"})
   cfg = GPTConfig.from_config(config.model)
@@ -257,7 +261,9 @@ def test_zero1_optimizer_bytes_match_the_hand_count(tmp_path):
     assert pieces == 2
     hand = (-(-flat // pieces) + layers * -(-per_layer // pieces)) * 12 + 2 * 4
     assert zero_state_bytes(plan, gpt_spec(cfg, 0).make, jax.devices(), zero) == hand
-    assert state_bytes(shapes, 2, 1) == hand - 8  # the same pieces, no counts
+    element = piece_element_bytes(plan, gpt_spec(cfg, 0).make, jax.devices(), zero, shapes)
+    assert element == dict.fromkeys(shapes, 12)  # float32 master weights and two moments
+    assert sharded_state_bytes(zero, shapes, element, 2) == hand - 8  # no step counts
     # About a quarter of the logical parameters' 12 bytes each: 2 pieces of 1/t_min.
     assert hand == pytest.approx(count_params(cfg) / t_min / pieces * 12, rel=0.01)
     # Two copies: every replica holds the whole buffers' state.
