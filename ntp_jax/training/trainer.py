@@ -241,7 +241,7 @@ def train(config, *, model: ModelSpec | None = None, log=print,
         raise
       unbuildable = f"this plan cannot be built: {err}"
   else:
-    unbuildable = failure_overrun(plan, config.ntp.failed, plan_of, model, zero is not None)
+    unbuildable = failure_overrun(plan, config.ntp.failed, plan_of, model, sharded=False)
   if unbuildable is not None and not config.dry_run:  # before the memory plan, which may stop it
     log(f"warning: {unbuildable}")
   footprints = check_footprint(config, model, plan, optimizer, devices, log)
