@@ -135,6 +135,8 @@ def _pump(stream, prefix: str, out, errors: ErrorLines | None = None,
     after_chatter = text is None
     if text is None:
       continue
+    if not text.endswith("\n"):  # a process killed mid-line: its last words end a line
+      text += "\n"
     if errors is not None and text.startswith("error: "):
       errors.add(process, text)
       continue

@@ -31,6 +31,14 @@ def test_pump_prefixes_every_line_but_the_chatter():
   assert out.getvalue() == "[1] plan: 2 DP replica(s)\n[1] step 0/3 | loss 7.6\n"
 
 
+def test_a_line_cut_off_by_a_kill_still_ends_its_line():
+  """A process killed while writing leaves half a line: the launcher's next words must not
+  run on from it."""
+  out = io.StringIO()
+  _pump(io.BytesIO(b"step 5/16 | loss 6.19 | TP degree 2,2"), "[0] ", out)
+  assert out.getvalue() == "[0] step 5/16 | loss 6.19 | TP degree 2,2\n"
+
+
 # Process 1 fails at once; process 0 ends by itself after a second (or never, with "hang").
 _SCRIPT = ("import os, sys, time\n"
            "if os.environ['NTP_JAX_PROCESS_ID'] == '1': sys.exit(3)\n"
