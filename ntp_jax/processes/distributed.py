@@ -31,8 +31,9 @@ from typing import Any
 import jax
 
 from ntp_jax.errors import ConfigError
-from ntp_jax.processes.heartbeat import Heartbeat, StopAgreement
+from ntp_jax.processes.heartbeat import Heartbeat, StopAgreement, is_done
 from ntp_jax.processes.launcher_watch import watch_launcher
+from ntp_jax.processes.links import Links, local_address
 from ntp_jax.processes.service import ENV_EXTERNAL_SERVICE, no_service_in_process_0
 
 ENV_COORDINATOR = "NTP_JAX_COORDINATOR"  # set by ntp_jax.launch for each process it starts
@@ -333,6 +334,7 @@ class Job:
   jit_checkpoint_s: float = 0.0  # else they write the last step first (0: they do not)
   notes: tuple[str, ...] = ()  # lines for the run's log: what joining set
   external_service: bool = False  # JAX's coordination service runs in no worker
+  links: Links | None = None  # a dead peer named at once (processes.links)
   lost: set[int] = dataclasses.field(default_factory=set)  # processes lost, gone on without
 
   @property
@@ -363,7 +365,9 @@ class Job:
     waited for until the service's own heartbeat declares it dead).
     """
     if self.heartbeat is not None:
-      self.heartbeat.stop()
+      self.heartbeat.stop()  # marks this process done: its closing links are no loss
+    if self.links is not None:
+      self.links.close()
     if not (self.multi_process and self.recoverable):
       return
     if not self.primary or self.external_service:  # the service outlives every worker
@@ -412,7 +416,8 @@ def join(distributed: Any) -> Job:
   note = initialize(settings)
   from jax._src import distributed as jax_distributed  # the runtime's key-value client
 
-  heartbeat = None
+  heartbeat = links = None
+  notes = [note] if note else []
   takes_over = settings.recoverable or distributed.jit_checkpoint_s > 0
   if jax.process_count() > 1:
     # The main thread takes over a loss at the next step boundary (it goes on, or writes a
@@ -421,8 +426,15 @@ def join(distributed: Any) -> Job:
     heartbeat = Heartbeat(jax_distributed.global_state.client, jax.process_index(),
                           jax.process_count(), settings.heartbeat_timeout_s,
                           takeover_s=_takeover_s(settings) if takes_over else None).start()
+    client = jax_distributed.global_state.client
+    links = Links(client, jax.process_index(), jax.process_count(), heartbeat.report_closed,
+                  lambda peer: is_done(client, peer),
+                  local_address(jax_distributed.global_state.coordinator_address))
+    if unlinked := links.connect():
+      notes.append(f"liveness links: none to {len(unlinked)} process(es), whose loss the "
+                   f"heartbeat alone finds ({'; '.join(unlinked[:3])})")
   _JOINED = Job(jax.process_index(), jax.process_count(), heartbeat,
                 settings.processes_per_domain, jax_distributed.global_state.client,
                 settings.recoverable, distributed.jit_checkpoint_s,
-                (note,) if note else (), settings.external_service)
+                tuple(notes), settings.external_service, links)
   return _JOINED

@@ -59,6 +59,8 @@ class Heartbeat:
     self.lost_processes: set[int] = set()  # found lost (offered to the main thread)
     self._taken = threading.Event()
     self._verdicts = self._verdicts_taken = 0  # losses found; of them, taken over
+    self._declared: set[int] = set()  # peers a verdict was given on (by any watcher)
+    self._lock = threading.Lock()
     now = time.monotonic()
     self._last_change = {p: now for p in range(num_processes) if p != process_id}
     self._last_value: dict[int, str | None] = dict.fromkeys(self._last_change)
@@ -94,7 +96,7 @@ class Heartbeat:
         for peer in self._last_change:
           if peer in self._done:
             continue
-          if _try_get(self.client, f"ntp_jax/done/{peer}"):
+          if is_done(self.client, peer):
             self._done.add(peer)
             continue
           value = _try_get(self.client, f"ntp_jax/heartbeat/{peer}")
@@ -108,23 +110,42 @@ class Heartbeat:
     while not self._stop.wait(self.interval_s):
       now = time.monotonic()
       if now - self._last_ok > self.timeout_s:
-        self._lose(0, "the coordinator (process 0) cannot be reached", offer=False)
+        self._lose(0, "the coordinator (process 0) cannot be reached "
+                   f"(distributed.heartbeat_timeout_s={self.timeout_s:g})", offer=False)
         return
       lost = [(peer, now - seen) for peer, seen in self._last_change.items()
-              if peer not in self._done and peer not in self.lost_processes
+              if peer not in self._done and not self._known_lost(peer)
               and now - seen > self.timeout_s]
       for peer, silent in lost:
-        if not self._lose(peer, f"no heartbeat for {silent:.1f} s"):
+        if not self._lose(peer, f"no heartbeat for {silent:.1f} s "
+                          f"(distributed.heartbeat_timeout_s={self.timeout_s:g})"):
           return
+
+  def report_closed(self, peer: int, why: str) -> None:
+    """A peer found dead by other means (``processes.links``: its connection closed): it is
+    lost at once, as the heartbeat would declare it after its timeout. Thread-safe; a peer
+    already declared lost or finished is not declared again."""
+    if peer in self._done or self._known_lost(peer) or self._stop.is_set():
+      return
+    threading.Thread(target=self._lose, args=(peer, why), name="ntp-heartbeat-lost",
+                     daemon=True).start()
+
+  def _known_lost(self, peer: int) -> bool:
+    """Declared lost here, or agreed lost by the survivors (``lost_processes``)."""
+    return peer in self._declared or peer in self.lost_processes
 
   def _lose(self, peer: int, why: str, offer: bool = True) -> bool:
     """A lost peer; True when the main thread took it over (keep watching the others)."""
-    self.lost = (f"lost process {peer} of {self.num_processes}: {why} "
-                 f"(distributed.heartbeat_timeout_s={self.timeout_s:g})")
-    self._verdicts += 1
+    with self._lock:
+      if offer and self._known_lost(peer):  # another watcher spoke first
+        return True
+      self._declared.add(peer)
+      self.lost = f"lost process {peer} of {self.num_processes}: {why}"
+      self._verdicts += 1
+      if offer and self.takeover_s is not None:
+        self._taken.clear()
+        self.lost_processes.add(peer)
     if offer and self.takeover_s is not None:
-      self._taken.clear()
-      self.lost_processes.add(peer)
       if self._taken.wait(self.takeover_s):
         return True
       self.on_lost(f"{self.lost}; process {self.process_id} is held in a collective with it "
@@ -182,6 +203,11 @@ class StopAgreement:
       return None
     at, name = value.split(":", 1)
     return name if step >= int(at) else None
+
+
+def is_done(client, process: int) -> bool:
+  """Whether ``process`` marked itself done (``Heartbeat.stop``): it ended normally."""
+  return _try_get(client, f"ntp_jax/done/{process}") is not None
 
 
 def _try_get(client, key: str) -> str | None:

@@ -1,0 +1,103 @@
+"""Liveness links (``processes.links``) against real sockets: a peer process SIGKILLed is
+named at once; one that ends after marking itself done is not."""
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from ntp_jax.processes.heartbeat import Heartbeat
+from ntp_jax.processes.links import LINK_PREFIX, Links
+
+# Process 1 of 2, by hand: connect to process 0's link, say its index, then wait.
+_PEER = ("import socket, struct, sys, time\n"
+         "host, port = sys.argv[1].rsplit(':', 1)\n"
+         "conn = socket.create_connection((host, int(port)))\n"
+         "conn.sendall(struct.pack('!I', 1))\n"
+         "print('linked', flush=True)\n"
+         "time.sleep(float(sys.argv[2]))\n")
+
+
+class Store:
+  """The key-value calls of the coordination service's client that the links use."""
+
+  def __init__(self):
+    self.values = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    self.values[key] = value
+
+  def key_value_try_get(self, key):
+    if key not in self.values:
+      raise RuntimeError(f"NOT_FOUND: {key}")
+    return self.values[key]
+
+
+def _linked_peer(store, closed, lives_s):
+  """Process 0's links, and process 1 (a child) linked to them."""
+  links = Links(store, 0, 2, lambda peer, why: closed.append((peer, why, time.monotonic())),
+                lambda peer: f"ntp_jax/done/{peer}" in store.values, timeout_s=20)
+  problems = []
+  setup = threading.Thread(target=lambda: problems.extend(links.connect()))
+  setup.start()
+  while f"{LINK_PREFIX}/0" not in store.values:
+    time.sleep(0.01)
+  child = subprocess.Popen([sys.executable, "-c", _PEER, store.values[f"{LINK_PREFIX}/0"],
+                            str(lives_s)], stdout=subprocess.PIPE, text=True)
+  assert child.stdout.readline().strip() == "linked"
+  setup.join(timeout=20)
+  assert problems == [] and links.linked == {1}
+  return links, child
+
+
+def test_a_peer_killed_is_named_within_a_fraction_of_a_second():
+  store, closed = Store(), []
+  links, child = _linked_peer(store, closed, lives_s=60)
+  try:
+    child.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    child.wait(timeout=10)
+    deadline = killed + 5
+    while not closed and time.monotonic() < deadline:
+      time.sleep(0.01)
+  finally:
+    if child.poll() is None:
+      child.kill()
+    links.close()
+  assert [(peer, why) for peer, why, _ in closed] == [(1, "its liveness link closed")]
+  assert closed[0][2] - killed < 0.5
+
+
+def test_a_peer_that_marked_itself_done_is_not_lost():
+  store, closed = Store(), []
+  links, child = _linked_peer(store, closed, lives_s=0.5)
+  store.key_value_set("ntp_jax/done/1", "1")  # what Heartbeat.stop writes before the end
+  try:
+    child.wait(timeout=10)
+    time.sleep(0.5)  # the watch reads the link's end well within this
+  finally:
+    links.close()
+  assert closed == [] and links.linked == set()
+
+
+@pytest.mark.parametrize("takes_over", [False, True])
+def test_a_closed_link_is_the_heartbeats_verdict_at_once(takes_over):
+  """``Heartbeat.report_closed`` gives the verdict the heartbeat would give after its
+  timeout (one, however many watchers report it), offered to the main thread or not."""
+  store, ended = Store(), []
+  beat = Heartbeat(store, 0, 3, timeout_s=60, on_lost=ended.append,
+                   takeover_s=30 if takes_over else None)
+  beat.report_closed(2, "its liveness link closed")
+  beat.report_closed(2, "its liveness link was reset")
+  deadline = time.monotonic() + 5
+  while not (beat.lost_processes if takes_over else ended) and time.monotonic() < deadline:
+    time.sleep(0.01)
+  if takes_over:
+    assert beat.wait_for_verdict() == "lost process 2 of 3: its liveness link closed"
+    assert beat.take_over() == {2} and ended == []
+  else:
+    assert ended == ["lost process 2 of 3: its liveness link closed; process 0 stops; "
+                     "restart the job from its last checkpoint"]
