@@ -68,12 +68,13 @@ def assert_same_state(got, want, tolerance=1e-5):
 
 @pytest.mark.parametrize("failed, choices", [
     ("", [("zero1", 1), ("zero2", 2)]),
-    ("1:3", [("zero1", 1), ("zero1", 2), ("zero2", 1), ("zero2", 2)])],
+    ("1:3", [("zero1", 2), ("zero2", 1)])],
     ids=["degrees-4-4", "degrees-4-3"])
 def test_sharded_optimizers_train_as_the_replicated_one(tmp_path, failed, choices):
   """dp=2 tp=4, healthy (one class) and with a degree-3 replica (two classes, synced at
   t_min=3), two micro-batches a step (the degree-3 replica's 7 rows as 4 + 3): one copy
-  (two pieces) and two copies (one piece held twice); with two classes, every choice."""
+  (two pieces) and two copies (one piece held twice); each sharding with each copy count
+  once over the two plans."""
   micro = {"ntp.failed": failed, "train.microbatches": 2}
   base, base_dir = run(tmp_path / "replicated", **micro)
   want = stored(base_dir)
@@ -172,14 +173,14 @@ def test_zero1_with_one_copy_takes_the_restart_path_and_says_why(tmp_path):
 
 
 
-@pytest.mark.parametrize("sharding, microbatches, dtype", [
-    ("zero2", 2, "float32"), ("zero1", 1, "bfloat16")])
-def test_sharded_recoveries_compiled_ahead_compile_nothing(tmp_path, sharding, microbatches,
-                                                          dtype):
-  """dp=2 tp=2, two copies: a failure, a second one in the other replica and a repair, each
-  onto a plan compiled in the background before it came (the sharded optimizer's programs
-  and the read-back of its state included; zero2, each micro-batch size's gradient half and
-  the reductions; bfloat16 parameters, the float32 master weights' packing and read-back)."""
+def test_sharded_recoveries_compiled_ahead_compile_nothing(tmp_path):
+  """dp=2 tp=2, zero2 with two copies, two micro-batches, bfloat16 parameters: a failure, a
+  second one in the other replica and a repair, each onto a plan compiled in the background
+  before it came (the sharded optimizer's programs and the read-back of its state included:
+  each micro-batch size's gradient half and the reductions, the float32 master weights'
+  packing and read-back). zero1's programs are zero2's with one reduction a step; one case
+  compiles both kinds' parts (a second case cost 45 s of the suite)."""
+  sharding, microbatches, dtype = "zero2", 2, "bfloat16"
   steps = {3, 5, 7}
   config = config_of(tmp_path / "ahead", 9, **{
       "model.param_dtype": dtype, "model.dtype": dtype,

@@ -326,21 +326,6 @@ def test_a_process_lost_inside_a_checkpoint_save_is_survived_and_the_save_made_a
   assert {"8", "10"} <= set(checkpoints), checkpoints  # saves go on over the survivors
 
 
-def test_a_failure_in_a_tp_group_over_two_processes_recovers_live(tmp_path):
-  """4 processes of 2 devices, one scale-up domain of two processes per replica: the healthy
-  plan, then replicas of TP degree 3 and 4 (two classes) over them, equal to one process."""
-  events = {"ntp.recovery": "live", "ntp.fail_at": "3@0:1", "train.steps": 6}
-  expected, _ = _reference(tmp_path, "one", **events)
-  workdir = tmp_path / "four"
-  done = _launch(4, workdir, {**BASE, **events, "checkpoint.every": 0,
-                              "distributed.processes_per_domain": 2})
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-  records = _equal_losses(workdir, expected, steps=6)
-  recovered = [r for r in records if r.get("event") == "recovered"]
-  assert [r["path"] for r in recovered] == ["live"]
-  assert {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}[3] == [3, 4]
-
-
 def test_the_coordinators_loss_ends_the_job_and_a_rerun_resumes_from_the_last_checkpoint(
     tmp_path, base_losses):
   """Process 0 hosts JAX's coordination service: when it dies, JAX ends the other processes
