@@ -17,7 +17,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from optax import tree_utils
 
 from ntp_jax.parallel.accumulate import micro_starts
 from ntp_jax.parallel.metrics_handoff import hand_off, handoff_classes
@@ -31,7 +30,7 @@ from ntp_jax.parallel.programs import (
   covering_classes,
 )
 from ntp_jax.parallel.sync import synced_loss
-from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer, runs_of
+from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer, runs_of, step_count
 from ntp_jax.parallel.zero_survivors import SurvivorRebuild
 from ntp_jax.sharding.topology import holds_mine
 
@@ -98,8 +97,8 @@ class JobStep:
       # What the class layout's state looks like, to give it back (checkpoints, live peers).
       self.opt_shapes = [jax.tree.map(_abstract, p.opt_state) for p in programs]
       # The optimizer's step count on the host: every process knows it, core device or not.
-      self.zero_count = int(np.asarray(
-          tree_utils.tree_get_all_with_path(first.opt_state, "count")[0][1]))
+      count = step_count(first.opt_state)
+      self.zero_count = 0 if count is None else int(np.asarray(count))
       self.zero_state = self.zero.start(programs)
       # Classes holding a device of a process with no core device: the sharded update's
       # metrics reach that process through a program over the class mesh.
@@ -142,9 +141,8 @@ class JobStep:
                         f"optimizer state (train.optimizer_sharding={self.zero.settings.name}) "
                         "is read back by programs over every device of the plan")
     count = self.zero_count  # the host's; a process holding pieces reads the devices'
-    if self.zero_state is not None:
-      count = int(np.asarray(tree_utils.tree_get_all_with_path(self.zero_state["opt"],
-                                                              "count")[0][1]))
+    if self.zero_state is not None and step_count(self.zero_state["opt"]) is not None:
+      count = int(np.asarray(step_count(self.zero_state["opt"])))
     if gone:
       rebuild = SurvivorRebuild(self.zero, self.programs, survivors, set(dead) | set(lost))
       for program, state in zip(survivors, rebuild.opt_states(self.zero_state,

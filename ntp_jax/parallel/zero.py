@@ -156,6 +156,65 @@ def runs_of(leaves: Sequence[Any], settings: ZeroSettings, params: Any) -> Decay
                              for _, v in nnx.to_flat_state(settings.decay_mask(params))])
 
 
+def moment_fields(optimizer: optax.GradientTransformation) -> tuple[str, ...]:
+  """The fields of ``optimizer``'s state that hold a tree shaped as its parameters (Adam's
+  ``mu`` and ``nu``, a momentum ``trace``, ...), by name, in the state's order: what the
+  sharded optimizer cuts into pieces beside the master weights. Found from the state of a
+  one-matrix probe (``jax.eval_shape``: nothing allocated). The rule must act element by
+  element, as on the flat pieces: a state shaped otherwise (a factored moment) is refused.
+
+  Raises:
+    ValueError: a field name that two parts of the state share (a piece is found by its
+      name), or a state leaf that is neither shaped as the parameters nor a scalar (a
+      factored moment: it cannot be cut like the parameters); one line naming it.
+  """
+  probe = {"probe": jax.ShapeDtypeStruct((4, 6), MASTER_DTYPE)}
+  shaped = jax.tree.structure(probe)
+  found: list[str] = []
+
+  def like_params(value: Any) -> bool:
+    return (jax.tree.structure(value) == shaped
+            and all(getattr(x, "shape", None) == (4, 6) for x in jax.tree.leaves(value)))
+
+  def walk(node: Any, where: str) -> None:
+    if isinstance(node, tuple) and hasattr(node, "_fields"):  # an optax state NamedTuple
+      for name, value in zip(node._fields, node):
+        if name != MASTER and like_params(value):
+          if name in found:
+            raise ValueError(f"the optimizer state has two fields named {name!r}: the "
+                             "sharded optimizer finds its pieces by name")
+          found.append(name)
+        else:
+          walk(value, f"{where}.{name}")
+    elif isinstance(node, (tuple, list)):
+      for i, value in enumerate(node):
+        walk(value, f"{where}[{i}]")
+    elif isinstance(node, dict):
+      for key, value in node.items():
+        walk(value, f"{where}[{key!r}]")
+    elif node is not None and getattr(node, "ndim", 0) > 0:
+      raise ValueError(f"optimizer state leaf {where} of shape {tuple(node.shape)} is neither "
+                       "shaped as the parameters nor a scalar: the sharded optimizer cannot "
+                       "cut it into pieces")
+
+  walk(jax.eval_shape(optimizer.init, probe), "state")
+  return tuple(found)
+
+
+def step_count(state: Any) -> Any:
+  """The optimizer state's step count (its first ``count`` leaf), or None for a state that
+  keeps none (plain SGD with momentum)."""
+  found = tree_utils.tree_get_all_with_path(state, "count")
+  return found[0][1] if found else None
+
+
+def _with_count(state: Any, count: Any, **fields: Any) -> Any:
+  """``state`` with ``fields`` set, and every ``count`` leaf too where it keeps one."""
+  if count is not None and tree_utils.tree_get_all_with_path(state, "count"):
+    fields["count"] = count
+  return tree_utils.tree_set(state, **fields) if fields else state
+
+
 def piece_elements(shape: Sequence[int], pieces: int) -> int:
   """Elements of one piece of a sync buffer of one position's ``shape`` (``(L,)`` or
   ``(layers, L)``) cut into ``pieces`` along its last axis."""
@@ -207,6 +266,7 @@ class ShardedOptimizer:
 
   def __init__(self, sync: CrossClassSync, settings: ZeroSettings, runs: DecayRuns):
     self.sync, self.settings, self.runs = sync, settings, dict(runs)
+    self.fields = moment_fields(settings.optimizer)  # cut into pieces beside the master
     replicas, t_min = sync.mesh.devices.shape
     self.pieces = piece_count(replicas, min(settings.copies, replicas))
     grid = sync.mesh.devices.reshape(replicas // self.pieces, self.pieces, t_min)
@@ -284,10 +344,11 @@ class ShardedOptimizer:
     table = table.reshape(-1, grid.shape[2])  # row c * pieces + p: PIECE_SPEC's order
     return jax.make_array_from_callback(table.shape, self.sharding, lambda i: table[i])
 
-  def _start_fn(self, params: dict, mu: dict, nu: dict, count: jax.Array) -> dict:
-    """The sharded state from the class layout's (already packed and cut into pieces)."""
-    opt = self.settings.optimizer.init(params)
-    opt = tree_utils.tree_set(opt, mu=mu, nu=nu, count=count)
+  def _start_fn(self, params: dict, moments: tuple[dict, ...], count: jax.Array) -> dict:
+    """The sharded state from the class layout's (already packed and cut into pieces):
+    ``moments`` holds the pieces of each of ``fields``, in order."""
+    opt = _with_count(self.settings.optimizer.init(params), count,
+                      **dict(zip(self.fields, moments, strict=True)))
     return {"master": params, "opt": opt}
 
   def _reduce_local(self, x: jax.Array) -> jax.Array:
@@ -389,12 +450,12 @@ class ShardedOptimizer:
     if not any(local):
       raise ValueError("this process holds no device of the plan")
     first = programs[local.index(True)]
-    try:
-      count = tree_utils.tree_get_all_with_path(first.opt_state, "count")[0][1]
-      tree_utils.tree_get(first.opt_state, "mu"), tree_utils.tree_get(first.opt_state, "nu")
-    except (KeyError, IndexError):
-      raise ValueError(f"train.optimizer_sharding={self.settings.name} shards Adam's moments "
-                       "(mu, nu); this optimizer's state has none") from None
+    count = step_count(first.opt_state)
+    missing = [f for f in self.fields if tree_utils.tree_get(first.opt_state, f) is None]
+    if missing:
+      raise ValueError(f"train.optimizer_sharding={self.settings.name}: the class optimizer's "
+                       f"state has no field {missing[0]!r}, which the sharded optimizer's "
+                       "state holds (the two optimizers differ)")
     def packed(read):  # the class programs run in every process holding their devices
       stacked = self.sync.stack([p.step.pack(read(p)) if here else None
                                  for p, here in zip(programs, local)], self.sharding)
@@ -402,14 +463,14 @@ class ShardedOptimizer:
 
     # Float32 master weights where the optimizer keeps them (parameters stored in less:
     # ``master_weights``), else the parameters.
-    pieces = [packed(lambda p: tree_utils.tree_get(p.opt_state, MASTER, p.params)),
-              packed(lambda p: tree_utils.tree_get(p.opt_state, "mu")),
-              packed(lambda p: tree_utils.tree_get(p.opt_state, "nu"))]
+    master = packed(lambda p: tree_utils.tree_get(p.opt_state, MASTER, p.params))
+    moments = tuple(packed(lambda p, f=field: tree_utils.tree_get(p.opt_state, f))
+                    for field in self.fields)
     state = None  # no core device here: the pieces live in other processes
     if self.sync.local:
       # The count through the host: the class mesh and the pieces' may span other processes.
-      state = self._start(*pieces, replicated_scalar(np.asarray(count),
-                                                     NamedSharding(self.mesh, P())))
+      state = self._start(master, moments, None if count is None else replicated_scalar(
+          np.asarray(count), NamedSharding(self.mesh, P())))
     for program in programs:
       program.opt_state = None
     return state
@@ -496,23 +557,15 @@ class ShardedOptimizer:
 
     masters = self._with_master(shapes)
     master = unpacked(MASTER) if masters else [None] * len(programs)
+    moments = {field: unpacked(field) for field in self.fields}
     out = []
-    for program, here, shape, mu, nu, weights in zip(programs, local, shapes, unpacked("mu"),
-                                                     unpacked("nu"), master):
+    for i, (program, here, shape, weights) in enumerate(zip(programs, local, shapes, master)):
       if not here:
         out.append(None)
         continue
-      replicated = NamedSharding(program.mesh, P())
-      mu = jax.tree.map(_as_dtype, mu, tree_utils.tree_get(shape, "mu"))
-      nu = jax.tree.map(_as_dtype, nu, tree_utils.tree_get(shape, "nu"))
-      filled = tree_utils.tree_set(shape, mu=mu, nu=nu,
-                                   count=replicated_scalar(count, replicated))
-      if weights is not None:  # apart: with it, tree_set sets no field beside the master's
-        filled = tree_utils.tree_set(filled, **{MASTER: weights})
-      if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(filled)):
-        raise ValueError(f"train.optimizer_sharding={self.settings.name}: the optimizer state "
-                         "holds more than Adam's count, mu and nu")
-      out.append(filled)
+      out.append(fill_class_state(shape, {f: m[i] for f, m in moments.items()}, weights,
+                                  replicated_scalar(count, NamedSharding(program.mesh, P())),
+                                  self.settings.name))
     return out
 
   @staticmethod
@@ -541,9 +594,10 @@ class ShardedOptimizer:
     buffers = self._abstract_buffers(class_blocks[0], MASTER_DTYPE)
     state = self.abstract_state(class_blocks)
     pieces = state["master"]
-    count = tree_utils.tree_get_all_with_path(state["opt"], "count")[0][1]
+    count = step_count(state["opt"])
     return [("sharded optimizer (into pieces)", self._scatter.lower(buffers)),
-            ("sharded optimizer (start)", self._start.lower(pieces, pieces, pieces, count)),
+            ("sharded optimizer (start)",
+             self._start.lower(pieces, (pieces,) * len(self.fields), count)),
             *self.lower_step(class_blocks),
             ("sharded optimizer (gather)", self.lower_gather(class_blocks))]
 
@@ -610,7 +664,7 @@ class ShardedOptimizer:
         (replicas, t_min, *x.shape[2:-1], -(-x.shape[-1] // self.pieces)), MASTER_DTYPE,
         sharding=self.sharding) for name, x in class_blocks[0].items()}
     count = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.mesh, P()))
-    state = jax.eval_shape(self._start_fn, pieces, pieces, pieces, count)
+    state = jax.eval_shape(self._start_fn, pieces, (pieces,) * len(self.fields), count)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=self.sharding if x.ndim else NamedSharding(self.mesh, P())),
         state)
@@ -622,6 +676,27 @@ class ShardedOptimizer:
     replicas, t_min = self.sync.mesh.devices.shape
     return {name: jax.ShapeDtypeStruct((replicas, t_min, *x.shape[2:]), dtype or x.dtype,
                                        sharding=self.sharding) for name, x in blocks.items()}
+
+
+def fill_class_state(shape: Any, moments: dict[str, Any], master: Any, count: jax.Array,
+                     name: str) -> Any:
+  """A class layout's optimizer state from its abstract one (``shape``): each field of
+  ``moments`` (unpacked float32 trees, cast to the field's dtype), every ``count`` set to
+  ``count``, and the master weights where given.
+
+  Raises:
+    ValueError: a leaf of the state is left unset (the state holds more than the sharded
+      optimizer keeps); ``name`` is ``train.optimizer_sharding``'s value, for the line.
+  """
+  filled = _with_count(shape, count, **{
+      field: jax.tree.map(_as_dtype, tree, tree_utils.tree_get(shape, field))
+      for field, tree in moments.items()})
+  if master is not None:  # apart: with it, tree_set sets no field beside the master's
+    filled = tree_utils.tree_set(filled, **{MASTER: master})
+  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(filled)):
+    raise ValueError(f"train.optimizer_sharding={name}: the optimizer state holds more than "
+                     f"a step count and the fields {sorted(moments)}")
+  return filled
 
 
 def cached_sharded_optimizer(cache, sync_key, sync: CrossClassSync, settings: ZeroSettings,

@@ -40,7 +40,7 @@ from ntp_jax.parallel.zero import (
   MASTER_DTYPE,
   PEER,
   ShardedOptimizer,
-  _as_dtype,
+  fill_class_state,
   replicated_scalar,
 )
 from ntp_jax.sharding.mesh import DP, TP
@@ -48,7 +48,6 @@ from ntp_jax.sharding.topology import holds_mine, is_mine, mine
 
 MEMBER = "member"  # axis of the survivors' mesh: a surviving replica's core slots
 SURVIVOR_SPEC = P(MEMBER, PEER)
-MOMENTS = ("mu", "nu")
 
 
 def surviving_rows(optimizer: ShardedOptimizer, survivors: Sequence[ClassProgram],
@@ -203,7 +202,7 @@ class SurvivorRebuild:
     if first is None:
       return cut_shapes
     names = [MASTER] if self.optimizer._with_master(shapes) else []
-    names += list(MOMENTS)
+    names += list(self.optimizer.fields)
     lengths = self._lengths(first)
     trees = {}
     for name in names:
@@ -219,13 +218,11 @@ class SurvivorRebuild:
       if not holds_mine(survivor.mesh):
         out.append(shape)
         continue
-      filled = tree_utils.tree_set(
-          shape, **{m: jax.tree.map(_as_dtype, trees[m][i], tree_utils.tree_get(shape, m))
-                    for m in MOMENTS},
-          count=replicated_scalar(count, NamedSharding(survivor.mesh, P())))
-      if MASTER in trees:  # apart: with it, tree_set sets no field beside the master's
-        filled = tree_utils.tree_set(filled, **{MASTER: trees[MASTER][i]})
-      out.append(filled)
+      out.append(fill_class_state(
+          shape, {f: trees[f][i] for f in self.optimizer.fields},
+          trees[MASTER][i] if MASTER in trees else None,
+          replicated_scalar(count, NamedSharding(survivor.mesh, P())),
+          self.optimizer.settings.name))
     return out
 
   def lower(self, state: Any, shapes: Sequence[Any]) -> list[tuple[str, jax.stages.Lowered]]:
