@@ -181,7 +181,8 @@ def test_a_fresh_run_into_another_runs_checkpoints_is_refused_and_touches_nothin
 def test_a_run_in_parts_on_one_schedule_equals_the_whole_run(data_workdir, tmp_path):
   """train.schedule_steps=10: 6 steps, then resumed to 10, follow the 10-step run's rate."""
   lr = {"train.warmup_steps": 2}
-  whole = run(data_workdir, 10, tmp_path / "whole", **lr).losses
+  own = {"train.schedule_steps": 0}  # the curve of the run's own steps (gpt_micro pins one)
+  whole = run(data_workdir, 10, tmp_path / "whole", **lr, **own).losses
   first = run(data_workdir, 6, tmp_path / "parts", **lr, **{"train.schedule_steps": 10})
   shutil.copytree(tmp_path / "parts", tmp_path / "parts_other")
   lines = []
@@ -193,7 +194,7 @@ def test_a_run_in_parts_on_one_schedule_equals_the_whole_run(data_workdir, tmp_p
   assert not [line for line in lines if "schedule" in line]
   # Resumed with another schedule (train.steps=8 and no schedule_steps): one line says so.
   lines.clear()
-  config = micro_config(data_workdir, **{"train.steps": 8, **lr})
+  config = micro_config(data_workdir, **{"train.steps": 8, **lr, **own})
   config.checkpoint.every, config.checkpoint.dir = 10, str(tmp_path / "parts_other")
   train(config, log=lines.append)
   warned = [line for line in lines if "schedule" in line]
