@@ -427,7 +427,14 @@ def join(distributed: Any) -> Job:
                           jax.process_count(), settings.heartbeat_timeout_s,
                           takeover_s=_takeover_s(settings) if takes_over else None).start()
     client = jax_distributed.global_state.client
-    links = Links(client, jax.process_index(), jax.process_count(), heartbeat.report_closed,
+
+    def closed(peer: int, why: str) -> None:
+      # A process 0 that hosts the coordination service takes it along when it dies, and
+      # JAX's client then ends every other process itself (the launcher says so): no race.
+      if peer != 0 or settings.external_service:
+        heartbeat.report_closed(peer, why)
+
+    links = Links(client, jax.process_index(), jax.process_count(), closed,
                   lambda peer: is_done(client, peer),
                   local_address(jax_distributed.global_state.coordinator_address))
     if unlinked := links.connect():

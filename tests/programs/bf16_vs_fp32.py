@@ -26,7 +26,8 @@ if __name__ == "__main__":
   for dtype in ("float32", "bfloat16"):
     # One device: precision is the point here; the TP paths are the same code in bf16.
     config = micro_config(sys.argv[1], **{"train.steps": STEPS, "mesh.tp": 1,
-                                         "model.dtype": dtype, "train.log_every": 50})
+                                         "model.dtype": dtype, "train.log_every": 50,
+                                         "train.schedule_steps": 0})  # the run's own curve
     runs[dtype] = train(config, log=lambda *_: None)
   program = runs["bfloat16"].programs[0]
   shape = (config.train.batch_size, config.train.seq_len + 1)  # inputs and shifted targets
