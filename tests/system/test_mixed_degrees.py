@@ -8,6 +8,7 @@ import sys
 import numpy as np
 from helpers import ROOT, process_env
 
+STEPS = 5  # plain SGD: every step's update shows in the parameters compared
 MIXED = [  # (tp, dp, failed slots, TP degrees of the replicas)
     (4, 3, "1:3,2:2,2:3", [4, 3, 2]),
     (8, 2, "1:1,1:2,1:4", [8, 5]),
@@ -29,9 +30,9 @@ from helpers import run_job
 sgd, refs = optax.sgd(0.5), {{}}
 for tp, dp, failed in {[(tp, dp, failed) for tp, dp, failed, _ in MIXED]!r}:
   if dp not in refs:
-    refs[dp] = run_job(tp=1, dp=1, steps=10, batch_size=2 * dp, optimizer=sgd)
+    refs[dp] = run_job(tp=1, dp=1, steps={STEPS}, batch_size=2 * dp, optimizer=sgd)
   ref = refs[dp]
-  out = run_job(tp=tp, dp=dp, failed=failed, steps=10, batch_size=2 * dp, optimizer=sgd)
+  out = run_job(tp=tp, dp=dp, failed=failed, steps={STEPS}, batch_size=2 * dp, optimizer=sgd)
   diff = max(float(np.max(np.abs(a - b))) for p in out[2]
              for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref[2][0])))
   print(json.dumps(dict(ref=ref[0], out=out[0], diff=diff,
