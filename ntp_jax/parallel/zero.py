@@ -8,8 +8,9 @@ elements (``[layers, L]``), every logical element at exactly one position
 ``j``. The replicas of peer group ``j`` split each buffer along ``L`` into
 ``P`` pieces (``piece_count``; every layer alike); replica ``r`` holds piece
 ``r % P``, so each piece is held by ``R / P >= copies`` replicas. Per piece a
-device keeps float32 master weights, the optimizer's state (Adam's moments
-follow the master weights: float32); which elements decay is a static
+device keeps float32 master weights and the fields of the optax rule's state shaped as
+the parameters (``moment_fields``: AdamW's moments, a momentum trace; float32, following
+the master weights); which elements decay is a static
 property of the layout (``decay_runs``), computed in the program; devices past
 the core slots keep none.
 
@@ -444,7 +445,8 @@ class ShardedOptimizer:
     None in a process with no core device (it runs the classes' packing only).
 
     Raises:
-      ValueError: the optimizer state holds no Adam moments (``mu``, ``nu``).
+      ValueError: the class optimizer's state lacks a field the sharded one keeps
+        (``fields``): the two rules differ.
     """
     local = [holds_mine(p.mesh) for p in programs]
     if not any(local):
