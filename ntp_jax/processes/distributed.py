@@ -434,10 +434,14 @@ def join(distributed: Any) -> Job:
       if peer != 0 or settings.external_service:
         heartbeat.report_closed(peer, why)
 
-    links = Links(client, jax.process_index(), jax.process_count(), closed,
-                  lambda peer: is_done(client, peer),
-                  local_address(jax_distributed.global_state.coordinator_address))
-    if unlinked := links.connect():
+    try:
+      links = Links(client, jax.process_index(), jax.process_count(), closed,
+                    lambda peer: is_done(client, peer),
+                    local_address(jax_distributed.global_state.coordinator_address))
+      unlinked = links.connect()
+    except Exception as err:  # noqa: BLE001 -- the heartbeat still watches every peer
+      links, unlinked = None, [f"this process: {type(err).__name__}: {err}"]
+    if unlinked:
       notes.append(f"liveness links: none to {len(unlinked)} process(es), whose loss the "
                    f"heartbeat alone finds ({'; '.join(unlinked[:3])})")
   _JOINED = Job(jax.process_index(), jax.process_count(), heartbeat,

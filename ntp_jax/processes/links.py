@@ -15,7 +15,8 @@ that mark is read before the loss is declared.
 Set-up: each process listens on a port of its own, publishes ``host:port`` under
 ``ntp_jax/link/<process>`` in the coordination service's key-value store, connects to every
 process with a lower index and accepts a connection from every higher one (the connecting
-process sends its index first). ``N`` processes keep ``N - 1`` sockets each.
+process sends its index, the accepting one answers, and only then does either count the
+link). ``N`` processes keep ``N - 1`` sockets each.
 """
 
 from __future__ import annotations
@@ -29,20 +30,29 @@ from collections.abc import Callable
 
 LINK_PREFIX = "ntp_jax/link"
 _INDEX = struct.Struct("!I")  # the connecting process's index, its first and only bytes
+_ACCEPTED = b"\x01"  # the accepting process's answer: only then is the link live
+CONNECT_S = 5.0  # a reachable peer answers in milliseconds; a firewall's silence costs this
 
 
 def local_address(coordinator: str | None) -> str:
-  """The address of this host that reaches ``coordinator`` (``host:port``); 127.0.0.1
-  without one. No packet is sent (a UDP socket's connect only picks the route)."""
+  """The address of this host that reaches ``coordinator`` (``host:port``, ``[v6]:port``);
+  127.0.0.1 without one or when no route is found. No packet is sent (a UDP socket's
+  connect only picks the route)."""
   if not coordinator:
     return "127.0.0.1"
   host, _, port = coordinator.rpartition(":")
+  host = host.strip("[]")
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
   try:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-      probe.connect((host.strip("[]"), int(port or 1)))
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+      probe.connect((host, int(port) if port.isdigit() else 1))
       return probe.getsockname()[0]
   except OSError:
-    return socket.gethostbyname(socket.gethostname())
+    return "127.0.0.1"
+
+
+def _joined(host: str, port: int) -> str:
+  return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class Links:
@@ -74,20 +84,29 @@ class Links:
     """Link to every peer; returns one line per peer that could not be linked (empty when
     all are). Every process of the job must call it at the same point (it waits for the
     peers' addresses, up to ``timeout_s``)."""
-    listener = socket.create_server(("", 0), backlog=max(1, self.num_processes))
+    v6 = ":" in self.address
+    listener = socket.create_server(("::" if v6 else "", 0), backlog=max(1, self.num_processes),
+                                    family=socket.AF_INET6 if v6 else socket.AF_INET)
     port = listener.getsockname()[1]
-    self.client.key_value_set(f"{LINK_PREFIX}/{self.process_id}", f"{self.address}:{port}",
+    self.client.key_value_set(f"{LINK_PREFIX}/{self.process_id}", _joined(self.address, port),
                               allow_overwrite=True)
     problems: list[str] = []
     for peer in range(self.process_id):  # lower indices: this process connects
+      conn = None
       try:
         where = self.client.blocking_key_value_get(f"{LINK_PREFIX}/{peer}",
                                                    int(self.timeout_s * 1000))
         host, _, peer_port = where.rpartition(":")
-        conn = socket.create_connection((host, int(peer_port)), timeout=self.timeout_s)
+        conn = socket.create_connection((host.strip("[]"), int(peer_port)),
+                                        timeout=min(CONNECT_S, self.timeout_s))
+        conn.settimeout(self.timeout_s)  # the peer accepts once its own connects are done
         conn.sendall(_INDEX.pack(self.process_id))
+        if _read_exactly(conn, len(_ACCEPTED)) != _ACCEPTED:
+          raise ConnectionError("unexpected answer")
         self._add(peer, conn)
       except Exception as err:  # noqa: BLE001 -- any failure: that peer has the heartbeat only
+        if conn is not None:
+          conn.close()
         problems.append(f"process {peer}: {err}")
     listener.settimeout(self.timeout_s)
     deadline = time.monotonic() + self.timeout_s
@@ -95,23 +114,25 @@ class Links:
     while higher - self.linked and time.monotonic() < deadline:
       try:
         conn, _ = listener.accept()
+      except OSError:  # the wait ran out
+        break
+      try:
         conn.settimeout(self.timeout_s)
         peer = _INDEX.unpack(_read_exactly(conn, _INDEX.size))[0]
-      except OSError:
-        break
-      if peer in higher:
+        if peer not in higher or peer in self.linked:
+          raise ConnectionError(f"not a peer of this job: {peer}")
+        conn.sendall(_ACCEPTED)
         self._add(peer, conn)
-      else:
+      except OSError:  # one connection went wrong: the others may still come
         conn.close()
     problems += [f"process {p}: no connection in {self.timeout_s:g} s"
                  for p in sorted(higher - self.linked)]
-    listener.close()
+    listener.close()  # a connection still queued is refused: its peer never counted it
     self._thread.start()
     return problems
 
   def _add(self, peer: int, conn: socket.socket) -> None:
     conn.setblocking(False)
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     self._selector.register(conn, selectors.EVENT_READ, peer)
     self.linked.add(peer)
 
@@ -136,13 +157,13 @@ class Links:
           self.on_closed(peer, why)
 
   def close(self) -> None:
-    """This process is finishing: stop watching and close every link."""
+    """This process is finishing: stop watching, then close every link."""
     self._stop.set()
+    if self._thread.is_alive():
+      self._thread.join(timeout=2.0)  # it wakes every 0.2 s
     for key in list(self._selector.get_map().values()):
-      try:
-        key.fileobj.close()
-      except OSError:
-        pass
+      key.fileobj.close()
+    self._selector.close()
 
 
 def _read_exactly(conn: socket.socket, n: int) -> bytes:

@@ -108,7 +108,7 @@ def slurm(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_the_docs_sbatch_script_matches_the_launcher_and_scancel_leaves_one_checkpoint(
+def test_the_docs_sbatch_script_stops_on_scancel_with_one_checkpoint_and_resumes(
     tmp_path, slurm):
   script = tmp_path / "tiny.sbatch"
   script.write_text(docs_example("#SBATCH --ntasks=2"))
@@ -146,6 +146,14 @@ def _mpirun(command, log):
                 OMPI_MCA_rmaps_base_oversubscribe="1")  # root; fewer cores than processes
   return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                           start_new_session=True)
+
+
+def _command_line(process: psutil.Process) -> str:
+  """``process``'s command line, or "" once it is gone (or a zombie)."""
+  try:
+    return " ".join(process.cmdline())
+  except psutil.Error:
+    return ""
 
 
 def _ended(process: psutil.Process) -> bool:
@@ -187,7 +195,7 @@ def test_the_docs_mpirun_command_matches_the_launcher_and_sigterm_leaves_one_che
     # their first step, and the fewer steps before the stop, the shorter the reference.
     deadline = time.monotonic() + 60
     while len(processes := [p for p in psutil.Process(first.pid).children(recursive=True)
-                            if "train.py" in " ".join(p.cmdline())]) < 2:
+                            if "train.py" in _command_line(p)]) < 2:
       assert first.poll() is None and time.monotonic() < deadline, "mpirun started no job"
       time.sleep(0.2)
     time.sleep(3)  # past their start-up to the point where they hold the signal

@@ -2,6 +2,7 @@
 named at once; one that ends after marking itself done is not."""
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ _PEER = ("import socket, struct, sys, time\n"
          "host, port = sys.argv[1].rsplit(':', 1)\n"
          "conn = socket.create_connection((host, int(port)))\n"
          "conn.sendall(struct.pack('!I', 1))\n"
+         "assert conn.recv(1) == b'\\x01'\n"  # process 0's answer: the link is live
          "print('linked', flush=True)\n"
          "time.sleep(float(sys.argv[2]))\n")
 
@@ -29,6 +31,9 @@ class Store:
 
   def key_value_set(self, key, value, allow_overwrite=False):
     self.values[key] = value
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    return self.key_value_try_get(key)
 
   def key_value_try_get(self, key):
     if key not in self.values:
@@ -73,14 +78,33 @@ def test_a_peer_killed_is_named_within_a_fraction_of_a_second():
 
 def test_a_peer_that_marked_itself_done_is_not_lost():
   store, closed = Store(), []
-  links, child = _linked_peer(store, closed, lives_s=0.5)
   store.key_value_set("ntp_jax/done/1", "1")  # what Heartbeat.stop writes before the end
+  links, child = _linked_peer(store, closed, lives_s=0.5)
   try:
     child.wait(timeout=10)
     time.sleep(0.5)  # the watch reads the link's end well within this
   finally:
     links.close()
   assert closed == [] and links.linked == set()
+
+
+def test_a_connection_never_accepted_is_no_link_and_no_loss():
+  """Process 1's connection to a process 0 that never accepts it (still in the backlog when
+  0's set-up ends): it is not counted, so its reset later names nobody lost; the peer is
+  said in one line and left to the heartbeat."""
+  store, closed = Store(), []
+  silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts
+  store.key_value_set(f"{LINK_PREFIX}/0", f"127.0.0.1:{silent.getsockname()[1]}")
+  links = Links(store, 1, 2, lambda peer, why: closed.append(peer), lambda peer: False,
+                timeout_s=0.5)
+  try:
+    problems = links.connect()
+    silent.close()  # the queued connection is reset now
+    time.sleep(0.3)
+  finally:
+    links.close()
+  assert links.linked == set() and closed == []
+  assert len(problems) == 1 and problems[0].startswith("process 0: "), problems
 
 
 @pytest.mark.parametrize("takes_over", [False, True])
@@ -95,6 +119,8 @@ def test_a_closed_link_is_the_heartbeats_verdict_at_once(takes_over):
   deadline = time.monotonic() + 5
   while not (beat.lost_processes if takes_over else ended) and time.monotonic() < deadline:
     time.sleep(0.01)
+  time.sleep(0.2)  # a second verdict, were there one, would have come by now
+  assert beat._verdicts == 1
   if takes_over:
     assert beat.wait_for_verdict() == "lost process 2 of 3: its liveness link closed"
     assert beat.take_over() == {2} and ended == []
