@@ -127,3 +127,27 @@ class WaitForAhead(Hook):
     if step in self.steps:
       assert services.wait_for_compile_ahead(600)
     return []
+
+
+class KeyValueStore:
+  """The coordination service's key-value store, in one process: the client calls the
+  library makes on it (a blocking read of a missing key times out at once)."""
+
+  def __init__(self):
+    self.values = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    self.values[key] = value
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    if key not in self.values:
+      raise TimeoutError(key)
+    return self.values[key]
+
+  def key_value_try_get(self, key):
+    if key not in self.values:
+      raise RuntimeError(f"NOT_FOUND: {key}")
+    return self.values[key]
+
+  def key_value_delete(self, key):
+    self.values.pop(key, None)

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from helpers import KeyValueStore
 
 from ntp_jax.processes.heartbeat import Heartbeat
 from ntp_jax.processes.links import LINK_PREFIX, Links
@@ -21,24 +22,6 @@ _PEER = ("import socket, struct, sys, time\n"
          "assert conn.recv(1) == b'\\x01'\n"  # process 0's answer: the link is live
          "print('linked', flush=True)\n"
          "time.sleep(float(sys.argv[2]))\n")
-
-
-class Store:
-  """The key-value calls of the coordination service's client that the links use."""
-
-  def __init__(self):
-    self.values = {}
-
-  def key_value_set(self, key, value, allow_overwrite=False):
-    self.values[key] = value
-
-  def blocking_key_value_get(self, key, timeout_ms):
-    return self.key_value_try_get(key)
-
-  def key_value_try_get(self, key):
-    if key not in self.values:
-      raise RuntimeError(f"NOT_FOUND: {key}")
-    return self.values[key]
 
 
 def _linked_peer(store, closed, lives_s):
@@ -59,7 +42,7 @@ def _linked_peer(store, closed, lives_s):
 
 
 def test_a_peer_killed_is_named_within_a_fraction_of_a_second():
-  store, closed = Store(), []
+  store, closed = KeyValueStore(), []
   links, child = _linked_peer(store, closed, lives_s=60)
   try:
     child.send_signal(signal.SIGKILL)
@@ -77,7 +60,7 @@ def test_a_peer_killed_is_named_within_a_fraction_of_a_second():
 
 
 def test_a_peer_that_marked_itself_done_is_not_lost():
-  store, closed = Store(), []
+  store, closed = KeyValueStore(), []
   store.key_value_set("ntp_jax/done/1", "1")  # what Heartbeat.stop writes before the end
   links, child = _linked_peer(store, closed, lives_s=0.5)
   try:
@@ -92,7 +75,7 @@ def test_a_connection_never_accepted_is_no_link_and_no_loss():
   """Process 1's connection to a process 0 that never accepts it (still in the backlog when
   0's set-up ends): it is not counted, so its reset later names nobody lost; the peer is
   said in one line and left to the heartbeat."""
-  store, closed = Store(), []
+  store, closed = KeyValueStore(), []
   silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts
   store.key_value_set(f"{LINK_PREFIX}/0", f"127.0.0.1:{silent.getsockname()[1]}")
   links = Links(store, 1, 2, lambda peer, why: closed.append(peer), lambda peer: False,
@@ -111,7 +94,7 @@ def test_a_connection_never_accepted_is_no_link_and_no_loss():
 def test_a_closed_link_is_the_heartbeats_verdict_at_once(takes_over):
   """``Heartbeat.report_closed`` gives the verdict the heartbeat would give after its
   timeout (one, however many watchers report it), offered to the main thread or not."""
-  store, ended = Store(), []
+  store, ended = KeyValueStore(), []
   beat = Heartbeat(store, 0, 3, timeout_s=60, on_lost=ended.append,
                    takeover_s=30 if takes_over else None)
   beat.report_closed(2, "its liveness link closed")

@@ -6,7 +6,7 @@ import functools
 import time
 
 import pytest
-from helpers import SMALL
+from helpers import SMALL, KeyValueStore
 
 from models.gpt import model_layouts
 from ntp_jax.parallel.plan import make_plan
@@ -80,24 +80,6 @@ class Device:
   process_index: int
 
 
-class Store:
-  """The coordination service's key-value store, in one process."""
-
-  def __init__(self):
-    self.values = {}
-
-  def key_value_set(self, key, value, allow_overwrite=False):
-    self.values[key] = value
-
-  def blocking_key_value_get(self, key, timeout_ms):
-    if key not in self.values:
-      raise TimeoutError(key)
-    return self.values[key]
-
-  def key_value_delete(self, key):
-    self.values.pop(key, None)
-
-
 class Heartbeat:
   def __init__(self):
     self.takeover_s, self.lost_processes, self.lost, self.taken = 2.0, set(), None, 0
@@ -111,7 +93,7 @@ def guard_of_two_processes(per_process=4, **job_fields):
   """Process 0's guard in a job of two processes that take ``per_process`` consecutive devices
   of the two TP-4 replicas in turn (4: a replica each; 1: every TP group across both)."""
   devices = [Device(i, (i // per_process) % 2) for i in range(8)]
-  heartbeat, store = Heartbeat(), Store()
+  heartbeat, store = Heartbeat(), KeyValueStore()
   job = Job(process_id=0, num_processes=2, heartbeat=heartbeat, client=store, **job_fields)
   logged, events = [], Events()
   guard = ProcessGuard(job, devices, lambda line, **_: logged.append(line), events)
