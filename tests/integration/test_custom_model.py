@@ -38,7 +38,7 @@ def test_own_model_on_an_uneven_plan_equals_one_device(tmp_path):
   single = train(_config(tmp_path, **{"mesh.tp": 1, **short}), log=lambda *_: None)
   assert [r.degree for r in ntp.plan.replicas] == [3]
   np.testing.assert_allclose(ntp.losses, single.losses, rtol=1e-4)
-  assert ntp.losses[-1] < ntp.losses[0] - 0.2  # it learns (6.24 -> 5.36 in 12 steps)
+  assert ntp.losses[-1] < ntp.losses[0] - 0.2  # it learns
   # The programs hold the model's own parameters, not a GPT's.
   names = {"/".join(str(k) for k in path) for path, _ in
            __import__("flax").nnx.to_flat_state(ntp.programs[0].params)}

@@ -57,7 +57,7 @@ def _losses(workdir):
 @pytest.fixture(scope="module")
 def single_process_losses(tmp_path_factory):
   """The same plan in this one process (8 devices): STEPS steps, then a resume to STEPS + 2
-  (the learning-rate schedule follows train.steps, so the resumed steps use the longer one)."""
+  (gpt_micro's one learning-rate curve: both runs follow it, as the two processes do)."""
   workdir = tmp_path_factory.mktemp("single")
   plan = {"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2", "checkpoint.every": 2}
   first = train(micro_config(workdir, **plan, **{"train.steps": STEPS}), log=lambda *_: None)
