@@ -140,9 +140,9 @@ class JobStep:
       raise LookupError(f"lost process(es) {gone} held devices of this plan, and the sharded "
                         f"optimizer state (train.optimizer_sharding={self.zero.settings.name}) "
                         "is read back by programs over every device of the plan")
-    count = self.zero_count  # the host's; a process holding pieces reads the devices'
-    if self.zero_state is not None and step_count(self.zero_state["opt"]) is not None:
-      count = int(np.asarray(step_count(self.zero_state["opt"])))
+    # The host's count; a process holding pieces reads the devices' (where the state keeps one).
+    held = None if self.zero_state is None else step_count(self.zero_state["opt"])
+    count = self.zero_count if held is None else int(np.asarray(held))
     if gone:
       rebuild = SurvivorRebuild(self.zero, self.programs, survivors, set(dead) | set(lost))
       for program, state in zip(survivors, rebuild.opt_states(self.zero_state,

@@ -211,7 +211,7 @@ def step_count(state: Any) -> Any:
 
 def _with_count(state: Any, count: Any, **fields: Any) -> Any:
   """``state`` with ``fields`` set, and every ``count`` leaf too where it keeps one."""
-  if count is not None and tree_utils.tree_get_all_with_path(state, "count"):
+  if count is not None and step_count(state) is not None:
     fields["count"] = count
   return tree_utils.tree_set(state, **fields) if fields else state
 
