@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,7 +33,8 @@ from ntp_jax.parallel.programs import (
 from ntp_jax.parallel.sync import synced_loss
 from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer, runs_of, step_count
 from ntp_jax.parallel.zero_survivors import SurvivorRebuild
-from ntp_jax.sharding.topology import holds_mine
+from ntp_jax.processes.arrival import ProcessLost
+from ntp_jax.sharding.topology import holds_mine, mine
 
 
 class JobStep:
@@ -55,13 +57,14 @@ class JobStep:
     zero: shard the optimizer state over the peer groups (``zero.ZeroSettings``; the
       programs built split): the class programs' ``opt_state`` moves into the step's
       sharded state and is None between steps (``optimizer_states`` gives it back).
-    commit: steps that commit (``processes.commit``; the programs built split, no
-      ``zero``): ``commit(phase, error)`` is called once the collectives of a phase of the
-      step (``"grad"``, ``"sync"``, ``"finish"``) have ended here, with None or the error
-      one of them raised; it returns when the phase ended in every live process and raises
-      otherwise (``arrival.ProcessLost``), the state untouched. Only after the last phase does the
-      update run (``SplitStep.apply_grads``: no collective), so every survivor applies a
-      step or none does.
+    commit: steps that commit (``processes.commit``; the programs built split):
+      ``commit(phase, error)`` is called once the collectives of a phase of the step
+      (``"grad"``, ``"sync"``, ``"finish"``; with ``zero``, ``_sharded_step``'s) have ended
+      here, with None or the error one of them raised; it returns when the phase ended in
+      every live process and raises otherwise (``arrival.ProcessLost``), the state
+      untouched. The update runs only once its inputs' phases passed (``SplitStep.apply_grads``,
+      ``ShardedOptimizer.update``: no collective), so every survivor applies a step or none
+      does.
 
   Raises:
     ValueError: this process holds no device of the plan.
@@ -72,10 +75,12 @@ class JobStep:
                before_sync: Callable[[], None] | None = None,
                zero: ZeroSettings | None = None,
                commit: Callable[[str, BaseException | None], None] | None = None):
-    if commit is not None and (zero is not None or not split):
-      raise ValueError("steps that commit need the split programs and no sharded optimizer")
+    if commit is not None and not split:
+      raise ValueError("steps that commit need the split programs")
     self.plan = plan
     self.commit = commit
+    self.pending_loss: ProcessLost | None = None  # lost after a committed update (zero)
+    self.params_behind = False  # the parameters are a step behind the pieces (zero)
     self.programs = programs
     self.cache = cache or ProgramCache()
     self.before_sync = before_sync
@@ -124,7 +129,8 @@ class JobStep:
       lost: the devices of lost processes (among ``dead`` or not).
       survivors: where ``lost`` holds devices of this plan, the class programs cut to
         the live processes' rows (``programs.live_rows``): their ``opt_state`` is set
-        instead, read back among them (``zero_survivors``).
+        instead, read back among them (``zero_survivors``), and their ``params`` too where
+        a process was lost after the step's update committed (``params_behind``).
 
     Raises:
       LookupError: a piece of the state cannot be read back
@@ -145,14 +151,26 @@ class JobStep:
     count = self.zero_count if held is None else int(np.asarray(held))
     if gone:
       rebuild = SurvivorRebuild(self.zero, self.programs, survivors, set(dead) | set(lost))
+      if self.params_behind:  # lost after a committed update: from the master weights
+        for program, params in zip(survivors, rebuild.params(self.zero_state)):
+          program.params = program.params if params is None else params
       for program, state in zip(survivors, rebuild.opt_states(self.zero_state,
                                                               self.opt_shapes, count)):
         program.opt_state = state
       return
+    if self.params_behind:  # only a lost process leaves them so (``_sharded_step``)
+      raise LookupError("the parameters are a step behind the optimizer's pieces and no lost "
+                        "process's devices were given")
     states = self.zero.class_opt_states(self.zero_state, self.programs, self.opt_shapes,
                                         count, set(dead) | set(lost))
     for program, state, shape in zip(self.programs, states, self.opt_shapes):
       program.opt_state = shape if state is None else state
+
+  def take_pending_loss(self) -> ProcessLost | None:
+    """The loss met after the last step's update committed (``_sharded_step``), once: the
+    step counts, and the loss is taken over before the next one."""
+    lost, self.pending_loss = self.pending_loss, None
+    return lost
 
   def lower_read_back_by_survivors(self, survivors: Sequence[ClassProgram],
                                    dead: Collection[jax.Device]) -> Callable[[], list]:
@@ -218,8 +236,7 @@ class JobStep:
       if self.zero.settings.stage == 1:
         jax.block_until_ready(self._gradient_buffers(batch))
       else:
-        total, _ = self._zero2_rounds(batch)
-        jax.block_until_ready(total)
+        jax.block_until_ready(self._reduced(batch, voted=False)[0])
       return None
     if self.sync is None:
       program = self.programs[0]
@@ -260,57 +277,96 @@ class JobStep:
     return value
 
   def _sharded_step(self, batch: Any) -> dict[str, jax.Array]:
-    """The step with the sharded optimizer (``zero``): gradients, the sharded update, and
-    each class's parameters unpacked from the gathered buffers."""
+    """The step with the sharded optimizer (``zero``): the gradients reduced into the
+    pieces, the update of the pieces, and each class's parameters unpacked from the gathered
+    buffers; with ``commit``, a vote after each phase of collectives (``_phase``).
+
+    The update runs once every live process voted that the reduction ended well, so every
+    survivor updates its pieces or none does. From then on the pieces are the state: a
+    process lost while the parameters are gathered or unpacked leaves the step applied, the
+    loss waiting in ``pending_loss`` and the parameters to be rebuilt from the master
+    weights' pieces (``params_behind``; ``optimizer_states``)."""
     self.release_optimizer_states()  # the sharded state moves on: a class copy would be stale
-    if self.zero.settings.stage == 1:
-      params, self.zero_state, metrics = self.zero.step(self._gradient_buffers(batch),
-                                                        self.zero_state)
-    else:
-      params, self.zero_state, metrics = self._zero2_update(batch)
+    pieces, metrics, templates = self._reduced(batch)
+    if self.handoff:  # the processes with no core device take the metrics from their class
+      metrics = self._phase("metrics", lambda: self._handed_off(metrics))
+    self.zero_state = self.zero.update(pieces, self.zero_state)
     self.zero_count += 1
-    for program, local, buffers in zip(self.programs, self.local, params):
+    self.params_behind = True
+    try:
+      full = self._phase("gather", lambda: self.zero.gather_params(self.zero_state, templates))
+      params = self._phase("unpack", lambda: [
+          program.step.unpack(buffers, program.params) if local else None
+          for program, local, buffers in zip(self.programs, self.local, full)])
+    except ProcessLost as lost:  # the update stands: the parameters come from the pieces
+      self.pending_loss = lost
+      for program, local in zip(self.programs, self.local):
+        if local:  # donated to an unpacking that did not commit: shapes for the rebuild
+          program.params = jax.tree.map(_renewed, program.params)
+      return metrics
+    for program, local, new in zip(self.programs, self.local, params):
       if local:
-        program.params = program.step.unpack(buffers, program.params)
+        program.params = new
+    self.params_behind = False
+    return metrics
+
+  def _handed_off(self, metrics: dict | None) -> dict:
+    """``metrics`` where this process holds a core device, else those its classes hand it
+    (``metrics_handoff``); every class of ``handoff`` this process holds runs its program."""
     for i in self.handoff:
       if self.local[i]:
         handed = hand_off(self.cache, self.programs[i].mesh, metrics)
         metrics = metrics or handed
     return metrics
 
-  def _zero2_update(self, batch: Any) -> tuple[list[dict | None], dict, dict]:
-    """zero2: the micro-batch rounds (``_zero2_rounds``), then the update from the pieces."""
-    total, outer = self._zero2_rounds(batch)
-    return self.zero.apply(total, self.zero_state, outer)
-
-  def _zero2_rounds(self, batch: Any) -> tuple[dict, list[dict | None]]:
-    """zero2: one round per micro-batch (as many as the class with the most), each class
-    running its next micro-batch (zeros once it has none left) and the sharded optimizer
-    reducing the round into its pieces. Returns the summed pieces and the last round's
-    buffers' positions past ``t_min`` (``CrossClassSync.outer``)."""
+  def _reduced(self, batch: Any, *, voted: bool = True
+               ) -> tuple[dict | None, dict | None, list[dict | None]]:
+    """The step's gradients reduced into the pieces (``ShardedOptimizer.reduce``): zero1,
+    each class's gradient half then one reduction; zero2, one round per micro-batch (as
+    many as the class with the most), each class running its next micro-batch (zeros once
+    it has none left) and the round reduced into the running sum. Returns the clipped
+    pieces, the metrics (None in a process with no core device) and the last round's
+    buffers' positions past ``t_min`` (``CrossClassSync.outer``: the core positions are
+    freed before the update). ``voted``: phases voted on where steps commit."""
+    phase = self._phase if voted else lambda _, run: run()
+    if self.zero.settings.stage == 1:
+      buffers = phase("grad", lambda: self._gradient_buffers(batch))
+      pieces, metrics = phase("reduce", lambda: self.zero.reduce(buffers))
+      return pieces, metrics, self.sync.outer(buffers)
     rounds, inputs = [], []
     for program, local, (start, _) in zip(self.programs, self.local, self.plan.class_rows()):
       c = program.replica_class
       rounds.append(micro_starts(c.batch_share, c.microbatches))
       inputs.append(class_batch(program, batch, start) if local else None)
-    total = None
-    for i in range(max(map(len, rounds))):
-      buffers: list[dict | None] = []
-      for program, local, rows, x in zip(self.programs, self.local, rounds, inputs):
-        if not local:
-          buffers.append(None)
-        elif i < len(rows):
-          buffers.append(program.step.micro_grad(program.params, x, np.int32(rows[i][0]),
-                                                 size=rows[i][1]))
-        else:  # this class's rows are done: it adds nothing to the sums
-          buffers.append(program.step.pack(program.step.zeros(program.params)))
-      if i == 0 and self.before_sync is not None:
-        jax.block_until_ready(buffers)
-        self.before_sync()
-      total = self.zero.accumulate(buffers, total)
-    # Only the positions past t_min are kept for the update's result: the core devices'
-    # buffers are freed before it runs.
-    return total, self.sync.outer(buffers)
+    pieces = metrics = buffers = None
+    count = max(map(len, rounds))
+    for i in range(count):
+      def micro(i=i):
+        out: list[dict | None] = []
+        for program, local, rows, x in zip(self.programs, self.local, rounds, inputs):
+          if not local:
+            out.append(None)
+          elif i < len(rows):
+            out.append(program.step.micro_grad(program.params, x, np.int32(rows[i][0]),
+                                               size=rows[i][1]))
+          else:  # this class's rows are done: it adds nothing to the sums
+            out.append(program.step.pack(program.step.zeros(program.params)))
+        if i == 0 and self.before_sync is not None:
+          jax.block_until_ready(out)
+          self.before_sync()
+        return out
+
+      buffers = phase(f"grad{i}", micro)
+      pieces, metrics = phase(f"reduce{i}", lambda b=buffers, t=pieces, last=i == count - 1:
+                              self.zero.reduce(b, t, last=last))
+    return pieces, metrics, self.sync.outer(buffers)
+
+  def _phase(self, name: str, run: Callable[[], Any]) -> Any:
+    """``run()``; where steps commit (``commit``), its outputs once they are ready here and
+    every live process voted that its own are (``commit`` raises otherwise)."""
+    if self.commit is None:
+      return run()
+    return self._voted(name, run)
 
   def _gradient_buffers(self, batch: Any) -> list[dict | None]:
     """Each local class's gradient buffers (None elsewhere), then ``before_sync``."""
@@ -386,6 +442,16 @@ class JobStep:
             program.params, program.opt_state, x)
         metrics = metrics or class_metrics
     return metrics
+
+
+def _renewed(x: jax.Array) -> jax.Array:
+  """``x`` where it is whole, else (donated to a program that did not commit) zeros of its
+  shape and sharding on this process's devices: a layout to rebuild into."""
+  if not x.is_deleted():
+    return x
+  shards = [jnp.zeros(x.sharding.shard_shape(x.shape), x.dtype, device=d)
+            for d in mine(x.sharding.mesh)]
+  return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 
 
 def _abstract(x: Any) -> Any:

@@ -36,7 +36,7 @@ from ntp_jax.parallel.steps import (
   default_loss,
 )
 from ntp_jax.parallel.sync import CrossClassSync, plan_regroups
-from ntp_jax.parallel.zero import ZeroSettings, cached_sharded_optimizer, runs_of
+from ntp_jax.parallel.zero import UPDATE_PROGRAM, ZeroSettings, cached_sharded_optimizer, runs_of
 from ntp_jax.program_cache import ProgramCache
 from ntp_jax.sharding.mesh import DP, TP, class_mesh
 from ntp_jax.sharding.topology import holds_mine, is_mine, processes_of
@@ -343,18 +343,18 @@ class PlanPrograms:
       batch = jax.ShapeDtypeStruct((replica_class.batch_rows, seq_len + 1), np.int32,
                                    sharding=NamedSharding(mesh, P(DP)))
       if key not in skip:
-        if self.commits:
-          lowered_step = step.lower_committed(state["params"], state["opt_state"], batch)
-        elif self.zero is None:
-          lowered_step = step.lower(state["params"], state["opt_state"], batch)
-        else:  # zero2: each micro-batch size's gradient half instead of the whole share's
+        if self.zero is not None:  # zero2: each micro-batch size's gradient half instead
           sizes = [size for _, size in micro_batches(replica_class.batch_share,
                                                      replica_class.microbatches)
                    ] if self.zero.stage == 2 else []
           lowered_step = step.lower_sharded(state["params"], batch, sizes)
+        elif self.commits:
+          lowered_step = step.lower_committed(state["params"], state["opt_state"], batch)
+        else:
+          lowered_step = step.lower(state["params"], state["opt_state"], batch)
         names = [f"class program ({name})"] * len(lowered_step)
-        if self.commits:  # its last program runs after the vote: checked for collectives
-          names[-1] += UPDATE_SUFFIX
+        if self.commits and self.zero is None:  # its last program runs after the vote
+          names[-1] += UPDATE_SUFFIX  # (checked for collectives)
         steps += [(what, key, lowered) for what, lowered in zip(names, lowered_step)]
       if isinstance(step, SplitStep):
         blocks.append(abstract_sync_blocks(step.grad, state["params"], batch, mesh))
@@ -366,7 +366,9 @@ class PlanPrograms:
                                               runs_of(first[0].leaves, self.zero, first[1]),
                                               record=False)
       if key not in skip:
-        steps += [(what, key, lowered) for what, lowered in sharded.lower_programs(blocks)]
+        rounds = max(c.microbatches for c in self.plan.classes)
+        steps += [(what + (UPDATE_SUFFIX if what == UPDATE_PROGRAM and self.commits else ""),
+                   key, lowered) for what, lowered in sharded.lower_programs(blocks, rounds)]
       # The processes holding no core device get the update's metrics through their class.
       for i in metrics_handoff.handoff_classes(self.shapes.meshes, sync.mesh):
         mesh = self.shapes.meshes[i]

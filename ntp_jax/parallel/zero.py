@@ -14,16 +14,18 @@ the master weights); which elements decay is a static
 property of the layout (``decay_runs``), computed in the program; devices past
 the core slots keep none.
 
-One step (``ShardedOptimizer.step``), one program over a
-``('copy', 'piece', 'peer')`` mesh of the core devices:
+One step, over a ``('copy', 'piece', 'peer')`` mesh of the core devices, in three
+programs, so that what consumes the state runs no collective across processes
+(``job_step``: a step that commits votes between them, ``processes.commit``):
 
-1. reduce-scatter of the gradient buffers over ``'piece'``, then an
-   all-reduce of the piece over ``'copy'`` (nothing with one copy);
-2. clipping by the global norm of the pieces (each logical element once),
-   and the optimizer's update of the piece (the trainer's AdamW without its
-   decay mask, the decayed elements' runs applied in the program);
-3. all-gather of the updated master weights over ``'piece'``, in the
-   parameters' dtype; each class unpacks them into its blocks
+1. ``reduce``: reduce-scatter of the gradient buffers over ``'piece'``, then an
+   all-reduce of the piece over ``'copy'`` (nothing with one copy); the global
+   norm of the pieces (each logical element once) and the clipping by it;
+2. ``update``: the optimizer's update of each piece (the trainer's AdamW without
+   its decay mask, the decayed elements' runs applied in the program), the
+   state donated, with no collective;
+3. ``gather_params``: all-gather of the updated master weights over ``'piece'``,
+   in the parameters' dtype; each class unpacks them into its blocks
    (``steps.SplitStep.unpack``).
 
 With one copy the bytes across domains are a reduce-scatter and an
@@ -32,10 +34,10 @@ all-gather of the buffer: an all-reduce's.
 ZeRO-2 (``ZeroSettings.stage=2``) runs step 1 per micro-batch instead: each
 class's gradient half runs one micro-batch (``steps.SplitStep.micro_grad``)
 and its buffers are reduce-scattered at once and added to float32 pieces
-(``accumulate``), so no device carries a whole step's gradient; steps 2 and
-3 then run on the summed pieces (``apply``). Each micro-batch sends a
-reduce-scatter: with ``m`` micro-batches, ``m`` reduce-scatters and one
-all-gather per step (with ``m = 1``, zero1's bytes).
+(``reduce`` with the running sum; the norm with the last), so no device
+carries a whole step's gradient. Each micro-batch sends a reduce-scatter:
+with ``m`` micro-batches, ``m`` reduce-scatters and one all-gather per step
+(with ``m = 1``, zero1's bytes).
 
 A failed device's pieces are taken from another copy
 (``class_opt_states`` with ``dead``); with no live copy left, or only one in
@@ -78,6 +80,7 @@ PIECE = "piece"  # axis of the piece mesh: which piece of the peer group's buffe
 PEER = "peer"  # axis of the piece mesh: core slot position (peer group)
 PIECE_SPEC = P((COPY, PIECE), PEER)  # a ``[live replicas, t_min, ...]`` array over the mesh
 MASTER_DTYPE = jnp.float32  # master weights and the moments that follow them
+UPDATE_PROGRAM = "sharded optimizer (update)"  # ``lower_step``'s name of the update
 
 
 def piece_count(replicas: int, copies: int) -> int:
@@ -232,7 +235,7 @@ def _unlead(x):
   return x[0, 0] if x.ndim else x
 
 
-def _as_dtype(x, like):
+def as_dtype(x, like):
   """``x`` in ``like``'s dtype (no program when it has it already)."""
   return x if x.dtype == like.dtype else x.astype(like.dtype)
 
@@ -273,13 +276,12 @@ class ShardedOptimizer:
     grid = sync.mesh.devices.reshape(replicas // self.pieces, self.pieces, t_min)
     self.mesh = Mesh(grid, (COPY, PIECE, PEER))
     self.sharding = NamedSharding(self.mesh, PIECE_SPEC)
-    self._update = jax.jit(self._update_fn, donate_argnums=(1,))
     self._scatter = jax.jit(self._scatter_fn)
-    self._gather = jax.jit(self._gather_fn, static_argnames=("lengths",))
+    self._gather = jax.jit(self._gather_fn, static_argnames=("lengths", "cast"))
     self._gather_live = jax.jit(self._gather_live_fn, static_argnames=("lengths",))
     self._start = jax.jit(self._start_fn)
-    self._accumulate = jax.jit(self._accumulate_fn, donate_argnums=(1,))
-    self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1), static_argnames=("lengths",))
+    self._reduce = jax.jit(self._reduce_fn, donate_argnums=(1,), static_argnames=("last",))
+    self._update = jax.jit(self._update_fn, donate_argnums=(1,))
 
   # -- the programs ---------------------------------------------------------------------------
 
@@ -301,14 +303,20 @@ class ShardedOptimizer:
 
     return self._map(body, (PIECE_SPEC,), PIECE_SPEC, buffers)
 
-  def _gather_fn(self, pieces: dict, lengths: tuple[tuple[str, int], ...]) -> dict:
+  def _gather_fn(self, pieces: dict, lengths: tuple[tuple[str, int], ...],
+                 cast: bool = False) -> dict:
     """Inverse of ``_scatter_fn``: every core device gets the whole ``[L]`` buffer, in
-    float32 (master weights and moments keep every bit)."""
+    float32 (master weights and moments keep every bit), or with ``cast`` in each buffer's
+    own dtype (the parameters, from the master weights)."""
     length = dict(lengths)
 
     def body(local):
-      return {name: _lead(jax.lax.all_gather(x[0, 0], PIECE, axis=x.ndim - 3, tiled=True)
-                          [..., :length[name]]) for name, x in local.items()}
+      out = {}
+      for name, x in local.items():
+        x = x[0, 0].astype(buffer_dtype(name)) if cast else x[0, 0]
+        out[name] = _lead(jax.lax.all_gather(x, PIECE, axis=x.ndim - 1, tiled=True)
+                          [..., :length[name]])
+      return out
 
     return self._map(body, (PIECE_SPEC,), PIECE_SPEC, pieces)
 
@@ -360,82 +368,70 @@ class ShardedOptimizer:
                                   scatter_dimension=x.ndim - 3, tiled=True)
     return jax.lax.psum(summed, COPY).astype(MASTER_DTYPE)
 
-  def _apply_local(self, summed: dict, lengths: dict, state: dict, loss: jax.Array
-                   ) -> tuple[dict, dict, dict]:
-    """Inside a body: clip by the global norm and update the pieces from the summed
-    gradient pieces ``summed`` (``name -> [..., n]``, the float32 buffer's loss element
-    included), then all-gather the new master weights in each buffer's dtype."""
-    settings = self.settings
-    state = jax.tree.map(_unlead, state)
-    piece = jax.lax.axis_index(PIECE)
-    g, decays = {}, {}
-    for name, x in summed.items():
-      n = x.shape[-1]
-      # The float32 buffer ends with the replica's loss: no parameter of its own.
-      data = lengths[name] - 1 if name == LOSS_DTYPE else lengths[name]
-      index = piece * n + jnp.arange(n)
-      g[name] = jnp.where(index < data, x, 0)
-      decays[name] = sum(((index >= a) & (index < b) for a, b in self.runs.get(name, ())),
-                         start=jnp.zeros((n,), bool)).astype(MASTER_DTYPE)
-    squares = sum(jnp.sum(jnp.square(v)) for v in g.values())
-    norm = jnp.sqrt(jax.lax.psum(squares, (PIECE, PEER)))
-    if settings.clip_norm:
-      scale = jnp.where(norm > settings.clip_norm, settings.clip_norm / norm, 1.0)
-      g = {name: v * scale for name, v in g.items()}
-    master = state["master"]
-    decayed = {name: master[name] * decays[name] for name in master}
-    updates, opt = settings.optimizer.update(g, state["opt"], decayed)
-    master = optax.apply_updates(master, updates)
-    full = {name: _lead(jax.lax.all_gather(master[name].astype(buffer_dtype(name)), PIECE,
-                                           axis=master[name].ndim - 1,
-                                           tiled=True)[..., :lengths[name]])
-            for name in master}
-    new_state = jax.tree.map(_lead, {"master": master, "opt": opt})
-    return full, new_state, {"loss": loss[None, None], "grad_norm": norm[None, None]}
+  def _index(self, n: int) -> jax.Array:
+    """Inside a body: the positions along ``L`` of this device's piece of ``n`` elements."""
+    return jax.lax.axis_index(PIECE) * n + jnp.arange(n)
 
-  def _update_fn(self, grads: dict, state: dict) -> tuple[dict, dict, dict]:
-    """zero1's step: reduce-scatter the whole step's gradient buffers, update, gather."""
+  def _reduce_fn(self, grads: dict, total: dict | None, last: bool = True
+                 ) -> dict | tuple[dict, dict]:
+    """One round of gradient buffers (zero1: the step's; zero2: a micro-batch's) reduced
+    into float32 pieces and added to ``total`` (the earlier rounds' sum; None: the first).
+    With ``last``, also the step's loss (the float32 buffer's last element, summed with the
+    gradients) and the global norm of the pieces, and the pieces clipped by it and their
+    padding zeroed: ``(pieces, {"loss", "grad_norm"})``."""
 
-    def body(local, state):
-      lengths = {name: x.shape[-1] for name, x in local.items()}
+    def body(local, *earlier):
       summed = {name: self._reduce_local(x) for name, x in local.items()}
-      loss = jax.lax.psum(local[LOSS_DTYPE][0, 0, -1], (COPY, PIECE))
-      return self._apply_local(summed, lengths, state, loss)
+      if earlier:
+        summed = {name: _unlead(earlier[0][name]) + v for name, v in summed.items()}
+      if not last:
+        return jax.tree.map(_lead, summed)
+      g = {}
+      for name, x in summed.items():
+        # The float32 buffer ends with the replica's loss: no parameter of its own.
+        data = local[name].shape[-1] - (1 if name == LOSS_DTYPE else 0)
+        g[name] = jnp.where(self._index(x.shape[-1]) < data, x, 0)
+      loss_piece = summed[LOSS_DTYPE]  # [n]: the loss buffer holds no stacked parameter
+      at_loss = self._index(loss_piece.shape[-1]) == local[LOSS_DTYPE].shape[-1] - 1
+      loss = jax.lax.psum(jnp.sum(jnp.where(at_loss, loss_piece, 0)), PIECE)
+      norm = jnp.sqrt(jax.lax.psum(sum(jnp.sum(jnp.square(v)) for v in g.values()),
+                                   (PIECE, PEER)))
+      if self.settings.clip_norm:
+        scale = jnp.where(norm > self.settings.clip_norm, self.settings.clip_norm / norm, 1.0)
+        g = {name: v * scale for name, v in g.items()}
+      return (jax.tree.map(_lead, g),
+              {"loss": loss[None, None], "grad_norm": norm[None, None]})
 
-    specs = _specs(state)
-    full, state, metrics = self._map(body, (PIECE_SPEC, specs),
-                                     (PIECE_SPEC, specs, PIECE_SPEC), grads, state)
-    return full, state, {k: v[0, 0] for k, v in metrics.items()}
-
-  def _accumulate_fn(self, grads: dict, total: dict | None) -> dict:
-    """zero2, one micro-batch: its gradient buffers reduce-scattered into the float32
-    pieces, added to ``total`` (the earlier micro-batches' pieces; None: the first)."""
     if total is None:
-      return self._map(lambda local: {name: _lead(self._reduce_local(x))
-                                      for name, x in local.items()},
-                       (PIECE_SPEC,), PIECE_SPEC, grads)
-    return self._map(lambda local, total: {name: total[name] + _lead(self._reduce_local(x))
-                                           for name, x in local.items()},
-                     (PIECE_SPEC, PIECE_SPEC), PIECE_SPEC, grads, total)
+      out = self._map(body, (PIECE_SPEC,), (PIECE_SPEC, PIECE_SPEC) if last else PIECE_SPEC,
+                      grads)
+    else:
+      out = self._map(body, (PIECE_SPEC, PIECE_SPEC),
+                      (PIECE_SPEC, PIECE_SPEC) if last else PIECE_SPEC, grads, total)
+    if not last:
+      return out
+    pieces, metrics = out
+    return pieces, {k: v[0, 0] for k, v in metrics.items()}
 
-  def _apply_fn(self, total: dict, state: dict, lengths: tuple[tuple[str, int], ...]
-                ) -> tuple[dict, dict, dict]:
-    """zero2's update from the summed pieces (``_accumulate_fn``); ``lengths``: each
-    buffer's ``L``. The step's loss is the float32 buffer's last element, summed with the
-    gradients."""
-    length = dict(lengths)
+  def _update_fn(self, g: dict, state: dict) -> dict:
+    """The optimizer's update of each piece from the clipped gradient pieces ``g``
+    (``_reduce_fn`` with ``last``), the state donated: element by element, no
+    collective."""
 
-    def body(total, state):
-      summed = {name: _unlead(x) for name, x in total.items()}
-      last = summed[LOSS_DTYPE]  # [n]: the loss buffer holds no stacked parameter
-      index = jax.lax.axis_index(PIECE) * last.shape[0] + jnp.arange(last.shape[0])
-      loss = jax.lax.psum(jnp.sum(jnp.where(index == length[LOSS_DTYPE] - 1, last, 0)), PIECE)
-      return self._apply_local(summed, length, state, loss)
+    def body(g, state):
+      g, state = jax.tree.map(_unlead, g), jax.tree.map(_unlead, state)
+      master = state["master"]
+      decayed = {}
+      for name, x in master.items():
+        index = self._index(x.shape[-1])
+        decays = sum(((index >= a) & (index < b) for a, b in self.runs.get(name, ())),
+                     start=jnp.zeros(index.shape, bool))
+        decayed[name] = x * decays.astype(MASTER_DTYPE)
+      updates, opt = self.settings.optimizer.update(g, state["opt"], decayed)
+      return jax.tree.map(_lead, {"master": optax.apply_updates(master, updates), "opt": opt})
 
     specs = _specs(state)
-    full, state, metrics = self._map(body, (PIECE_SPEC, specs),
-                                     (PIECE_SPEC, specs, PIECE_SPEC), total, state)
-    return full, state, {k: v[0, 0] for k, v in metrics.items()}
+    return self._map(body, (PIECE_SPEC, specs), specs, g, state)
 
   # -- on the classes -------------------------------------------------------------------------
 
@@ -477,42 +473,52 @@ class ShardedOptimizer:
       program.opt_state = None
     return state
 
-  def step(self, class_buffers: list[dict | None], state: dict
-           ) -> tuple[list[dict | None], dict, dict]:
-    """One update from the classes' gradient buffers (``SplitStep.gradients``).
+  def reduce(self, class_buffers: list[dict | None], total: dict | None = None, *,
+             last: bool = True) -> tuple[dict | None, dict | None]:
+    """One round of the classes' gradient buffers reduced into the pieces (``reduce`` of the
+    module docstring).
+
+    Args:
+      class_buffers: per class, ``SplitStep.gradients``' buffers (zero2: one micro-batch's,
+        ``micro_grad``; zeros for a class with no micro-batch left), None for a class of
+        another process.
+      total: the earlier rounds' sum (donated; None for the first round).
+      last: the step's last round: the pieces come back clipped, with the metrics.
 
     Returns:
-      Per class, the updated parameters as sync buffers (``name -> [replicas, degree, ...,
-      L]``, None for another process's class: for ``SplitStep.unpack``); the new state
-      (``state`` donated); the job's ``loss`` and ``grad_norm`` (f32 scalars). A process
-      with no core device runs no program here: its state and metrics are None and its
-      classes' buffers keep only their positions past ``t_min``.
+      ``(pieces, metrics)``: float32 ``[live replicas, t_min, ..., ceil(L / pieces)]`` per
+      buffer; with ``last``, the job's ``loss`` and ``grad_norm`` (f32 scalars replicated
+      over the core devices), else None. Both None in a process with no core device.
     """
     stacked = self.sync.stack(class_buffers, self.sharding)
     if stacked is None:
-      return self.sync.unstack(class_buffers, None), None, None
-    full, state, metrics = self._update(stacked, state)
-    return self.sync.unstack(class_buffers, full), state, metrics
+      return None, None
+    out = self._reduce(stacked, total, last=last)
+    return out if last else (out, None)
 
-  def accumulate(self, class_buffers: list[dict | None], total: dict | None = None) -> dict:
-    """zero2: one micro-batch's gradient buffers (per class, as for ``step``; a class with
-    no micro-batch left gives zeros) reduce-scattered and added to ``total`` (donated; None
-    for the first micro-batch). Returns the summed pieces, float32 ``[live replicas,
-    t_min, ..., ceil(L / pieces)]`` per buffer (None in a process with no core device)."""
-    stacked = self.sync.stack(class_buffers, self.sharding)
-    return None if stacked is None else self._accumulate(stacked, total)
+  def update(self, pieces: dict | None, state: dict | None) -> dict | None:
+    """The optimizer's update from the last round's ``reduce`` (``state`` donated; no
+    collective). Returns the new state (None in a process with no core
+    device)."""
+    return None if state is None else self._update(pieces, state)
 
-  def apply(self, total: dict, state: dict, templates: list[dict | None]
-            ) -> tuple[list[dict | None], dict, dict]:
-    """zero2: the update from the summed pieces (``accumulate``; donated), as ``step``
-    returns it. ``templates``: per class, the gradient buffers of the last micro-batch or
-    their ``CrossClassSync.outer``, whose positions past ``t_min`` the result keeps."""
-    if not self.sync.local:
-      return self.sync.unstack(templates, None), None, None
+  def gather_params(self, state: dict | None, templates: list[dict | None]
+                    ) -> list[dict | None]:
+    """The updated parameters as each class's sync buffers (``name -> [replicas, degree,
+    ..., L]``, in the buffers' dtypes; None for another process's class: for
+    ``SplitStep.unpack``), gathered from the master weights' pieces.
+
+    Args:
+      state: the sharded state (None in a process with no core device: its classes'
+        buffers keep only their positions past ``t_min``).
+      templates: per class, the step's gradient buffers or their ``CrossClassSync.outer``,
+        whose positions past ``t_min`` the result keeps.
+    """
     first = next(t for t in templates if t is not None)
     lengths = tuple(sorted((name, x.shape[-1]) for name, x in first.items()))
-    full, state, metrics = self._apply(total, state, lengths=lengths)
-    return self.sync.unstack(templates, full), state, metrics
+    full = None if state is None else self._gather(state["master"], lengths=lengths,
+                                                   cast=True)
+    return self.sync.unstack(templates, full)
 
   def class_opt_states(self, state: dict | None, programs: Sequence[Any],
                        shapes: Sequence[Any], count: int,
@@ -586,12 +592,12 @@ class ShardedOptimizer:
             f"optimizer state piece {p} of peer group {j} was held by failed devices only "
             f"(train.optimizer_copies={self.settings.copies})")
 
-  def lower_programs(self, class_blocks: Sequence[dict[str, Any]]
+  def lower_programs(self, class_blocks: Sequence[dict[str, Any]], rounds: int = 1
                      ) -> list[tuple[str, jax.stages.Lowered]]:
     """Every program of this object a plan runs, lowered for abstract arguments: cutting
-    a class layout's state into pieces and starting from them (``start``), the update
-    (``step``), and the gathering that gives the state back (``class_opt_states``).
-    ``(what, lowered)`` each; ``class_blocks`` as for ``lower_step``."""
+    a class layout's state into pieces and starting from them (``start``), the step's
+    (``lower_step``), and the gathering that gives the state back (``class_opt_states``).
+    ``(what, lowered)`` each; ``class_blocks`` and ``rounds`` as for ``lower_step``."""
     # ``start`` cuts float32 trees (master weights, moments) laid out as the gradients.
     buffers = self._abstract_buffers(class_blocks[0], MASTER_DTYPE)
     state = self.abstract_state(class_blocks)
@@ -600,33 +606,43 @@ class ShardedOptimizer:
     return [("sharded optimizer (into pieces)", self._scatter.lower(buffers)),
             ("sharded optimizer (start)",
              self._start.lower(pieces, (pieces,) * len(self.fields), count)),
-            *self.lower_step(class_blocks),
+            *self.lower_step(class_blocks, rounds),
             ("sharded optimizer (gather)", self.lower_gather(class_blocks))]
 
-  def lower_step(self, class_blocks: Sequence[dict[str, Any]]
+  def lower_step(self, class_blocks: Sequence[dict[str, Any]], rounds: int = 1
                  ) -> list[tuple[str, jax.stages.Lowered]]:
     """The programs of one step after the classes' gradient halves, lowered for abstract
-    arguments: zero1, the update (``step``); zero2, the first micro-batch's reduction, a
-    later one's (``accumulate``) and the update from the pieces (``apply``). ``(what,
-    lowered)`` each; compiling them ahead makes the first step compile nothing, and their
-    memory analyses are one core device's.
+    arguments, in the order they run: the reductions (``reduce``: zero1 one; zero2 the
+    first micro-batch's, a middle one's and the last one's, as ``rounds`` asks), the update
+    and the gathering of the parameters. ``(what, lowered)`` each; compiling them ahead
+    makes the first step compile nothing, and their memory analyses are one core
+    device's.
 
     Args:
       class_blocks: each class's sync buffers (``steps.abstract_sync_blocks``:
         ``name -> [replicas, degree, ..., L]``); only their dtypes and ``L`` are read.
+      rounds: zero2: the micro-batch rounds of a step (the classes' most micro-batches).
 
     Raises:
       ValueError: no class's buffers given.
     """
     state = self.abstract_state(class_blocks)
     buffers = self._abstract_buffers(class_blocks[0])
-    if self.settings.stage == 1:
-      return [("sharded optimizer (update)", self._update.lower(buffers, state))]
-    total = state["master"]
+    total = state["master"]  # the summed pieces have the master weights' shapes
+    rounds = rounds if self.settings.stage == 2 else 1
+    out = [("sharded optimizer (reduce)" if rounds == 1 else
+            "sharded optimizer (first micro-batch)",
+            self._reduce.lower(buffers, None, last=rounds == 1))]
+    if rounds > 2:
+      out.append(("sharded optimizer (next micro-batch)",
+                  self._reduce.lower(buffers, total, last=False)))
+    if rounds > 1:
+      out.append(("sharded optimizer (last micro-batch)",
+                  self._reduce.lower(buffers, total, last=True)))
     lengths = tuple(sorted((name, x.shape[-1]) for name, x in class_blocks[0].items()))
-    return [("sharded optimizer (first micro-batch)", self._accumulate.lower(buffers, None)),
-            ("sharded optimizer (next micro-batch)", self._accumulate.lower(buffers, total)),
-            ("sharded optimizer (update)", self._apply.lower(total, state, lengths=lengths))]
+    return out + [(UPDATE_PROGRAM, self._update.lower(total, state)),
+                  ("sharded optimizer (parameters gathered)",
+                   self._gather.lower(total, lengths=lengths, cast=True))]
 
   def lower_gather(self, class_blocks: Sequence[dict[str, Any]]) -> jax.stages.Lowered:
     """The gathering of a moment's pieces into whole buffers (``class_opt_states``),
@@ -691,7 +707,7 @@ def fill_class_state(shape: Any, moments: dict[str, Any], master: Any, count: ja
       optimizer keeps); ``name`` is ``train.optimizer_sharding``'s value, for the line.
   """
   filled = _with_count(shape, count, **{
-      field: jax.tree.map(_as_dtype, tree, tree_utils.tree_get(shape, field))
+      field: jax.tree.map(as_dtype, tree, tree_utils.tree_get(shape, field))
       for field, tree in moments.items()})
   if master is not None:  # apart: with it, tree_set sets no field beside the master's
     filled = tree_utils.tree_set(filled, **{MASTER: master})

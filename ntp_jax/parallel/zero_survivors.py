@@ -40,6 +40,7 @@ from ntp_jax.parallel.zero import (
   MASTER_DTYPE,
   PEER,
   ShardedOptimizer,
+  as_dtype,
   fill_class_state,
   replicated_scalar,
 )
@@ -224,6 +225,21 @@ class SurvivorRebuild:
           replicated_scalar(count, NamedSharding(survivor.mesh, P())),
           self.optimizer.settings.name))
     return out
+
+  def params(self, state: dict | None) -> list[Any]:
+    """Each surviving class's parameters from the master weights' pieces, in the
+    parameters' dtypes, on its surviving rows (None for a class of another process): for a
+    process lost after a committed update, before the parameters were unpacked
+    (``job_step.JobStep.params_behind``)."""
+    first = next((s for s in self.survivors if holds_mine(s.mesh)), None)
+    if first is None:
+      return [None] * len(self.survivors)
+    lengths = self._lengths(first)
+    whole = self._gathered(state["master"], lengths) if self.local else None
+    return [jax.tree.map(as_dtype, original.step.unpack_over(s.mesh)(
+                self._buffers(s, whole, lengths), s.params), s.params)
+            if holds_mine(s.mesh) else None for s, original in zip(self.survivors,
+                                                                     self.originals)]
 
   def lower(self, state: Any, shapes: Sequence[Any]) -> list[tuple[str, jax.stages.Lowered]]:
     """The programs ``opt_states`` runs, lowered for abstract arguments (``state``: the

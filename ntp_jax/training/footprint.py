@@ -16,10 +16,10 @@ state's moments, on every replica), or with
 state a core device holds (float32 master weights and Adam moments, one
 piece of each sync buffer: ``ShardedOptimizer.abstract_state``);
 its temporaries and outputs are then those of the programs zero1 runs, each
-class's gradient half (``SplitStep.grad``) and the sharded update
-(``ShardedOptimizer.lower_step``); with ``zero2``, one micro-batch's
-gradient half (``SplitStep.micro_grad``), the reductions into the summed
-pieces and the update from them.
+class's gradient half (``SplitStep.grad``) and the sharded optimizer's
+reduction, update and gathering (``ShardedOptimizer.lower_step``); with
+``zero2``, one micro-batch's gradient half (``SplitStep.micro_grad``) and a
+reduction per micro-batch into the summed pieces.
 """
 
 from __future__ import annotations
@@ -418,7 +418,7 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
     key = (plan.classes, seq_len, unrolled, "zero", zero.copies, zero.clip_norm, zero.stage)
     if key not in memo:
       memo[key] = [lowered.compile(compiler_options=ANALYSIS_ONLY)
-                   for _, lowered in sharded.lower_step(blocks)]
+                   for _, lowered in sharded.lower_step(blocks, rounds)]
     update = memo[key]
     key = (plan.classes, seq_len, unrolled, "gather", zero.copies)
     if key not in memo:
@@ -444,16 +444,19 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       temp, outputs, opt = (max(int(m.temp_size_in_bytes) for m in memory), max(fresh),
                             device_bytes(program.opt_state))
     else:
+      # lower_step's order: the reductions (zero2: first, [middle], last), the update, the
+      # gathering of the parameters.
       sharded_memory = [c.memory_analysis() for c in update]
       temp = max(int(m.temp_size_in_bytes) for m in memory + sharded_memory)
       last = sharded_memory[-1]
       gathered = int(last.output_size_in_bytes - last.alias_size_in_bytes)
-      opt, flops = opt_bytes, flops + flops_of(update[-1])
-      if zero.stage == 1:  # the update's argument buffers live with its outputs
-        outputs = max(fresh) + gathered
-      else:  # the summed pieces live through the step; the update runs without the buffers
-        outputs = total_bytes + max(max(fresh), gathered)
-        flops += flops_of(update[0]) + (rounds - 1) * flops_of(update[1])
+      opt = opt_bytes
+      # The summed pieces live beside a round's buffers until the update; the gathered
+      # parameters come after both are gone.
+      outputs = max(max(fresh) + total_bytes, gathered)
+      reductions = [flops_of(c) for c in update[:-2]]
+      counts = [1, rounds - 2, 1] if len(reductions) == 3 else [1] * len(reductions)
+      flops += sum(n * f for n, f in zip(counts, reductions)) + sum(map(flops_of, update[-2:]))
     read_back = (0 if update is None else
                  device_bytes(program.opt_state) + gathering + templates[i])
     out.append(ClassFootprint(

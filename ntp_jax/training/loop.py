@@ -202,7 +202,7 @@ class TrainingRun:
     state.plan = plan
     if self.checkpoints is not None and jax.process_count() > 1:
       self._check_every_process_holds_a_piece(plan)  # from shapes: before anything is placed
-    commits = self.guard.commits(plan, self.zero)
+    commits = self.guard.commits(plan)
     arrive = self.guard.arrives_before_sync(plan) and not commits
     # The sharded optimizer and steps that commit take the split halves.
     split = arrive or commits or self.zero is not None
@@ -309,7 +309,7 @@ class TrainingRun:
     return PlanPrograms(plan, self.model.make, self.optimizer, self.config.train.clip_norm,
                         self.global_tokens(plan), self.devices, cache=self.cache,
                         loss=self.model.loss, split=self.guard.arrives_before_sync(plan),
-                        zero=self.zero, commits=self.guard.commits(plan, self.zero)).lower(
+                        zero=self.zero, commits=self.guard.commits(plan)).lower(
                             self.config.train.seq_len, source, skip=self.cache.compiled_keys())
 
   def _compile_before_arriving(self, plan: Plan) -> None:
@@ -323,7 +323,7 @@ class TrainingRun:
     """
     lowered = PlanPrograms(plan, self.model.make, self.optimizer, self.config.train.clip_norm,
                            self.global_tokens(plan), self.devices, cache=self.cache,
-                           loss=self.model.loss, commits=True).lower(
+                           loss=self.model.loss, zero=self.zero, commits=True).lower(
                                self.config.train.seq_len, skip=self.cache.compiled_keys())
     for what, _, program in lowered:
       compiled = program.compile()
@@ -391,7 +391,7 @@ class TrainingRun:
       CheckpointError, jax.errors.JaxRuntimeError: ``work`` failed and no process was lost.
     """
     while True:
-      if not self.guard.commits(self.state.plan, self.zero):
+      if not self.guard.commits(self.state.plan):
         return work()
       error = value = None
       self.guard.between_steps_starts()
@@ -492,7 +492,7 @@ class TrainingRun:
       ProcessLost: a peer was lost before or during the move (agreed); the old programs are
         intact (nothing of them is donated), ``process_lost`` starts again from them.
     """
-    if self.guard.commits(self.state.plan, self.zero):
+    if self.guard.commits(self.state.plan):
       self._arrive("move")
     error = None
     try:
@@ -501,7 +501,7 @@ class TrainingRun:
                              in zip(self.state.programs, self.state.job_step.local) if local])
     except jax.errors.JaxRuntimeError as err:  # a collective of the move with a lost peer
       error = err
-    if self.guard.commits(self.state.plan, self.zero):
+    if self.guard.commits(self.state.plan):
       self.guard.commit(self.state.step, self.state.plan, "move", error)
     elif error is not None:
       raise error
@@ -613,6 +613,9 @@ class TrainingRun:
     self.losses.append(loss)
     self.records.append(record)
     self.recoveries.finish(record["step"], elapsed)
+    lost = job_step.take_pending_loss()
+    if lost is not None:  # after the step's update committed: the step counts
+      self.process_lost(lost, inside=False)
     if self.ahead_of is not plan:  # after a plan's first step: it has the machine first
       self.ahead_of = plan
       self.compile_ahead()

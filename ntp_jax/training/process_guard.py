@@ -45,6 +45,11 @@ _PHASES = {
              "the save is made again on the new plan"),
     "eval": ("while evaluating at step {step} (eval phase",
              "the evaluation runs again on the new plan"),
+    # The sharded optimizer's phases after its update committed (``job_step``).
+    "gather": ("inside step {step} after its update (gather phase",
+               "the update stands, the parameters are rebuilt from the optimizer's pieces"),
+    "unpack": ("inside step {step} after its update (unpack phase",
+               "the update stands, the parameters are rebuilt from the optimizer's pieces"),
 }
 
 
@@ -114,12 +119,11 @@ class ProcessGuard:
     return all(len(processes_of(self.devices[r.replica * plan.tp + s] for s in r.live_slots)) == 1
                for r in plan.replicas)
 
-  def commits(self, plan: Plan, zero=None) -> bool:
+  def commits(self, plan: Plan) -> bool:
     """Steps of ``plan`` commit (``processes.commit``): a recoverable job's plan over several
-    processes with the optimizer state replicated (``zero`` None). A peer lost at any moment
-    of such a step, inside its collectives included, leaves every survivor the state of the
-    last step that committed."""
-    return (self.arrives_at_start(plan) and self.job.recoverable and zero is None)
+    processes. A peer lost at any moment of such a step, inside its collectives included,
+    leaves every survivor the state of the last step that committed."""
+    return self.arrives_at_start(plan) and self.job.recoverable
 
   def commit(self, step: int, plan: Plan, phase: str,
              error: BaseException | None = None) -> None:

@@ -13,6 +13,9 @@
 - ``NTP_JAX_DIE_IN_SAVE=P:S``: process ``P`` kills itself (SIGKILL) inside the save of
   the checkpoint of step ``S``, as it starts reading the state off its devices: the
   survivors meet the loss in the save's collectives.
+- ``NTP_JAX_DIE_IN_PHASE=P:S:PHASE``: process ``P`` kills itself (SIGKILL) as step ``S``
+  enters ``PHASE`` of the sharded optimizer's step (``job_step.JobStep._phase``: ``grad``,
+  ``reduce``, ``gather``, ``unpack``, ...): a loss placed after the update committed.
 - ``NTP_JAX_WAIT_FOR_AHEAD=1``: before every step, wait for the compile ahead of the
   plans one event away to finish (``ntp.precompile``), as a long run's failures come
   long after it has.
@@ -82,12 +85,35 @@ def die_in_save(process: int, step: int) -> None:
   loop.TrainingRun._save = saving
 
 
+class DieInPhase(Hook):
+  """Process ``process`` ends itself as step ``step`` enters ``phase`` (``JobStep._phase``)."""
+
+  def __init__(self, process: int, step: int, phase: str):
+    import ntp_jax.parallel.job_step as job_step
+    self.step, self.now = step, None
+    enter = job_step.JobStep._phase
+
+    def entering(job, name, run):
+      if (self.now, name) == (step, phase) and jax.process_index() == process:
+        os.kill(os.getpid(), signal.SIGKILL)
+      return enter(job, name, run)
+
+    job_step.JobStep._phase = entering
+
+  def before_step(self, step, services):
+    self.now = step
+    return []
+
+
 def hooks_from_environment() -> list[Hook]:
   hooks: list[Hook] = []
   if os.environ.get("NTP_JAX_WAIT_FOR_AHEAD") == "1":
     hooks.append(WaitForAhead())
   deaths = [tuple(map(int, item.split(":")))
             for item in os.environ.get("NTP_JAX_DIE_AFTER", "").split(",") if item]
+  if os.environ.get("NTP_JAX_DIE_IN_PHASE"):
+    process, step, phase = os.environ["NTP_JAX_DIE_IN_PHASE"].split(":")
+    hooks.append(DieInPhase(int(process), int(step), phase))
   for epoch, (process, step) in enumerate(sorted(deaths, key=lambda d: d[1])):
     hooks.append(DieAfter(process, step, epoch,
                           at_once=os.environ.get("NTP_JAX_DIE_AT_ONCE") == "1"))

@@ -390,11 +390,12 @@ def test_a_lost_process_holding_optimizer_pieces_rebuilds_them_live_from_copies(
   """zero1 with two copies of two pieces, 4 processes of one replica each (dp=4 tp=2),
   recoverable. At step 3 replica 0's slot 0 fails in live process 0: its piece's only
   live copy is replica 2's, in process 2, and comes from there. Process 1 (replica 1,
-  piece 1) is lost after step 4: the three survivors read the state back among themselves
-  (piece 1 from replica 3) and move it onto their plan live. The losses equal one
-  process's run with the same failures. (Compiled ahead, the lost process's recovery
-  compiles nothing on the way: ``bench/lost_process.py`` case E; here it would add a
-  minute.)"""
+  piece 1) dies inside step 4 after its update committed, as the parameters are unpacked:
+  the step stands, and the three survivors rebuild the parameters and the optimizer state
+  from the pieces among themselves (piece 1 from replica 3) and move them onto their plan
+  live. The losses equal one process's run with the same failures. (Compiled ahead, the
+  lost process's recovery compiles nothing on the way: ``bench/lost_process.py`` case E;
+  here it would add a minute.)"""
   settings = {"mesh.dp": 4, "mesh.tp": 2, "train.optimizer_sharding": "zero1",
               "train.optimizer_copies": 2, "ntp.recovery": "live"}
   expected, _ = _reference(tmp_path, "one", **settings, **{
@@ -405,9 +406,14 @@ def test_a_lost_process_holding_optimizer_pieces_rebuilds_them_live_from_copies(
                               "distributed.heartbeat_timeout_s": HEARTBEAT_S,
                               "ntp.precompile": "none"},
                  launcher=["--run-on"], program="tests/programs/train_with_hooks.py",
-                 env={"NTP_JAX_DIE_AFTER": "1:4"}, timeout=300)
+                 env={"NTP_JAX_DIE_IN_PHASE": "1:4:unpack"}, timeout=300)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+  assert "lost process 1 of 4 inside step 4 after its update (unpack phase" in done.stdout, \
+      done.stdout[-3000:]
   assert "live recovery impossible" not in done.stdout, done.stdout[-3000:]
   records = _equal_losses(workdir, expected)
   recovered = [r for r in records if r.get("event") == "recovered"]
   assert [r["path"] for r in recovered] == ["live", "live"]  # before: the restart path
+  assert [(r["step"], r["processes"]) for r in records
+          if r.get("event") == "process_lost"] == [(5, [1])]
+  assert "redone" not in done.stdout, done.stdout[-3000:]
