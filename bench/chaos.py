@@ -171,15 +171,18 @@ def trial(layout: str, index: int, args, reference: dict[int, float], rng: rando
                                    [reference[s] for s in range(args.steps)], rtol=1e-5)
   out["survived"] = bool(status == 0 and equal)
   lost = [r for r in records if r.get("event") == "process_lost"]
-  out["redone"] = len(lost)
+  said = [re.search(r"redone: (\d+) step", line) for _, line in lines]
+  out["redone"] = max([int(m.group(1)) for m in said if m], default=0)
   if kills and lost and "time" in lost[0]:
     out["known_s"] = lost[0]["time"] - kills[0][1]
     after = sorted(t for _, t in got.values() if t > lost[0]["time"])
     out["next_step_s"] = after[0] - kills[0][1] if after else None
     out["steady_step_s"] = step_s
-  raised = [re.search(r"inside step \d+ \((\w+) phase", line) for _, line in lines]
-  raised = [m.group(1) for m in raised if m]
-  out["phase"] = (f"{raised[0]} phase" if raised else "between steps" if lost else None)
+  raised = [re.search(r"inside step \d+ (after its update )?\((\w+) phase", line)
+            for _, line in lines]
+  raised = [f"{m.group(2)} phase" + (" (after the update)" if m.group(1) else "")
+            for m in raised if m]
+  out["phase"] = raised[0] if raised else "between steps" if lost else None
   out["tail"] = [line for _, line in lines[-6:]] if not out["survived"] else []
   return out
 

@@ -43,9 +43,9 @@ from common import emit, load_config, progress  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
-from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import build_class_programs, logical_state  # noqa: E402
+from ntp_jax.parallel.step_modes import make_job_step  # noqa: E402
 from ntp_jax.state.checkpoint import Checkpoints  # noqa: E402
 from ntp_jax.training.config import parse_failed  # noqa: E402
 from ntp_jax.training.optim import make_optimizer  # noqa: E402
@@ -176,7 +176,7 @@ def main():
   config = load_config(args.config)
   cfg = GPTConfig.from_config(config.model)
   plan, programs = build(cfg, config)
-  job = JobStep(plan, programs)
+  job = make_job_step(plan, programs)
   folder = tempfile.mkdtemp(prefix="ckpt_bench_")
   try:
     store = Checkpoints(folder, keep=2)

@@ -52,9 +52,9 @@ from flax import nnx
 
 from models.gpt import GPT, GPTConfig, count_params, gpt_spec, model_layouts
 from ntp_jax.layers import REMAT_POLICIES
-from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.programs import build_class_programs
+from ntp_jax.parallel.step_modes import make_job_step
 from ntp_jax.training.config import parse_failed
 from ntp_jax.training.optim import make_optimizer
 from ntp_jax.training.resources import ResourceError, check_footprint
@@ -116,7 +116,7 @@ def build(cfg, config, failed, *, tp, devices):
   programs = build_class_programs(
       plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(config.train.seed)), optimizer,
       config.train.clip_norm, plan.global_batch * config.train.seq_len, devices[:tp])
-  return plan, JobStep(plan, programs)
+  return plan, make_job_step(plan, programs)
 
 
 def measure(name, config, *, tp, failed, steps, devices):

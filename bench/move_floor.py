@@ -48,9 +48,9 @@ from floors import minimum_bytes, plain_copy_seconds  # noqa: E402
 
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.analysis.hlo_collectives import collectives  # noqa: E402
-from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import PlanPrograms, ProgramCache, build_class_programs  # noqa: E402
+from ntp_jax.parallel.step_modes import make_job_step  # noqa: E402
 from ntp_jax.state.peer import PeerSource  # noqa: E402
 from ntp_jax.training.config import RunConfig  # noqa: E402
 from ntp_jax.training.optim import make_optimizer  # noqa: E402
@@ -109,7 +109,7 @@ def main():
     new = build(reduced, make, global_tokens=tokens, source=source)
     jax.block_until_ready([(p.params, p.opt_state) for p in new])
     move_s = time.perf_counter() - start
-    step = JobStep(reduced, new, cache=cache)
+    step = make_job_step(reduced, new, cache=cache)
     times = []
     for _ in range(5):
       start = time.perf_counter()

@@ -37,9 +37,9 @@ from flax import nnx  # noqa: E402
 
 from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.analysis.cost import class_step_flops, own_shard_flops  # noqa: E402
-from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import build_class_programs  # noqa: E402
+from ntp_jax.parallel.step_modes import make_job_step  # noqa: E402
 from ntp_jax.training.config import parse_failed  # noqa: E402
 from ntp_jax.training.optim import make_optimizer  # noqa: E402
 
@@ -63,7 +63,7 @@ def build(cfg, config, failed, *, tp=TP, dp=DP, batch_size=None, rebalance="prop
       plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(0)), optimizer,
       config.train.clip_norm, plan.global_batch * config.train.seq_len,
       jax.devices()[:tp * dp])
-  return plan, JobStep(plan, programs)
+  return plan, make_job_step(plan, programs)
 
 
 def measure(cfg, config, name, failed, rebalance, steps, cache):

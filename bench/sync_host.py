@@ -44,9 +44,9 @@ from ntp_jax.layers import (  # noqa: E402
   VocabParallelEmbed,
   vocab_parallel_cross_entropy,
 )
-from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import build_class_programs, class_batch  # noqa: E402
+from ntp_jax.parallel.step_modes import make_job_step  # noqa: E402
 
 D_MODEL, D_FF, VOCAB, SEQ = 32, 96, 128, 16
 BLOCKS = 32
@@ -95,7 +95,7 @@ def measure(n_blocks: int, steps: int) -> tuple[int, int, float, float]:
   make = lambda layouts: WideLM(layouts, n_blocks, rngs=nnx.Rngs(0))  # noqa: E731
   programs = build_class_programs(plan, make, optax.adamw(1e-3), 1.0, plan.global_batch * SEQ,
                                   jax.devices()[:8])
-  job = JobStep(plan, programs)
+  job = make_job_step(plan, programs)
   flat = nnx.to_flat_state(programs[0].params)
   count = len(flat)
   elements = sum(int(np.prod(v.get_value().shape)) for _, v in flat)

@@ -43,9 +43,9 @@ from models.gpt import GPT, GPTConfig, model_layouts  # noqa: E402
 from ntp_jax.analysis.cost import flops_of  # noqa: E402
 from ntp_jax.analysis.hlo_collectives import collectives, totals  # noqa: E402
 from ntp_jax.layers.shard import replica_view, to_logical  # noqa: E402
-from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import build_class_programs  # noqa: E402
+from ntp_jax.parallel.step_modes import make_job_step  # noqa: E402
 from ntp_jax.parallel.steps import FusedStep, StepSettings  # noqa: E402
 from ntp_jax.training.footprint import abstract_program, per_device_flops  # noqa: E402
 from ntp_jax.training.optim import make_optimizer  # noqa: E402
@@ -60,7 +60,7 @@ def ntp_job(cfg, config, tp, failed):
       plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(config.train.seed)),
       make_optimizer(config.train), config.train.clip_norm,
       plan.global_batch * config.train.seq_len, jax.devices()[:tp])
-  return JobStep(plan, programs)
+  return make_job_step(plan, programs)
 
 
 def ntp_compiled(cfg, config, tp, failed):

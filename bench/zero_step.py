@@ -32,8 +32,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ntp_jax.model import load_model_spec  # noqa: E402
-from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.programs import build_class_programs  # noqa: E402
+from ntp_jax.parallel.step_modes import make_job_step  # noqa: E402
 from ntp_jax.training.config import RunConfig  # noqa: E402
 from ntp_jax.training.loop import plan_for  # noqa: E402
 from ntp_jax.training.optim import make_optimizer, zero_settings  # noqa: E402
@@ -59,7 +59,7 @@ def measure(path, mesh, failed, sharding, copies, steps, batch, seq, microbatche
   programs = build_class_programs(plan, model.make, make_optimizer(config.train),
                                   config.train.clip_norm, plan.global_batch * seq,
                                   jax.devices(), loss=model.loss, split=zero is not None)
-  job = JobStep(plan, programs, split=zero is not None, zero=zero)
+  job = make_job_step(plan, programs, split=zero is not None, zero=zero)
   rng = np.random.default_rng(0)
   rows = [rng.integers(0, model.vocab_size, (plan.global_batch, seq + 1), np.int32)
           for _ in range(steps + 2)]

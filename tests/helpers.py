@@ -18,9 +18,9 @@ from flax import nnx
 import configs.gpt_micro
 from models.gpt import GPT, GPTConfig, model_layouts
 from ntp_jax.layers.shard import replica_view, to_logical
-from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.programs import build_class_programs
+from ntp_jax.parallel.step_modes import make_job_step
 from ntp_jax.training.config import parse_failed, parse_weights
 from ntp_jax.training.hooks import Hook
 
@@ -85,7 +85,7 @@ def run_job(*, tp, dp, failed="", rebalance="equal", slot_weights="", batch_size
             optimizer=None, clip_norm=1.0, cfg=SMALL, seed=0, microbatches=1, commit=False):
   """Returns (losses, plan, [logical params of every live replica], [opt states]).
 
-  ``commit``: the steps of a recoverable multi-process job (``JobStep``'s ``commit``: the
+  ``commit``: the steps of a recoverable multi-process job (``CommittedJobStep``'s ``commit``: the
   split programs, ``SplitStep.finish`` and ``apply_grads``), its votes passing at once."""
   plan = make_plan(functools.partial(model_layouts, cfg), tp=tp, dp=dp,
                    failed=parse_failed(failed, dp, tp),
@@ -98,7 +98,7 @@ def run_job(*, tp, dp, failed="", rebalance="equal", slot_weights="", batch_size
   programs = build_class_programs(plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(seed)),
                                   optimizer, clip_norm, plan.global_batch * SEQ,
                                   jax.devices()[:tp * dp], split=commit)
-  job = JobStep(plan, programs, split=commit, commit=_raise_or_pass if commit else None)
+  job = make_job_step(plan, programs, split=commit, commit=_raise_or_pass if commit else None)
   losses = []
   for step in range(steps):
     losses.append(float(job(global_batch(plan.global_batch, step, cfg))["loss"]))

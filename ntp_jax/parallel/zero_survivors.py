@@ -230,7 +230,7 @@ class SurvivorRebuild:
     """Each surviving class's parameters from the master weights' pieces, in the
     parameters' dtypes, on its surviving rows (None for a class of another process): for a
     process lost after a committed update, before the parameters were unpacked
-    (``job_step.JobStep.params_behind``)."""
+    (``sharded_step.ShardedJobStep.params_behind``)."""
     first = next((s for s in self.survivors if holds_mine(s.mesh)), None)
     if first is None:
       return [None] * len(self.survivors)

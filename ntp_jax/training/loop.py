@@ -22,7 +22,6 @@ import numpy as np
 from ntp_jax.analysis.hlo_collectives import collectives
 from ntp_jax.errors import ConfigError
 from ntp_jax.model import ModelSpec
-from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import Plan, make_plan, micro_batch_text, reachable_failed_sets
 from ntp_jax.parallel.programs import (
   UPDATE_SUFFIX,
@@ -34,6 +33,7 @@ from ntp_jax.parallel.programs import (
   logical_state,
   plan_shapes,
 )
+from ntp_jax.parallel.step_modes import make_job_step
 from ntp_jax.parallel.steps import StepSettings
 from ntp_jax.parallel.zero import ZeroSettings
 from ntp_jax.processes.arrival import ProcessLost
@@ -212,7 +212,7 @@ class TrainingRun:
                                           self.config.train.clip_norm, self.global_tokens(plan),
                                           self.devices, source=source, cache=self.cache,
                                           loss=self.model.loss, split=split)
-    state.job_step = JobStep(plan, state.programs, cache=self.cache, split=split,
+    state.job_step = make_job_step(plan, state.programs, cache=self.cache, split=split,
                              before_sync=self._arrive if arrive else None, zero=self.zero,
                              commit=self._commit if commits else None)
     if state.job_step.zero is not None:

@@ -140,9 +140,9 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
 
   from models.gpt import GPT, GPTConfig, model_layouts
   from ntp_jax.data import make_dataset
-  from ntp_jax.parallel.job_step import JobStep
   from ntp_jax.parallel.plan import make_plan
   from ntp_jax.parallel.programs import ProgramCache, build_class_programs, logical_state
+  from ntp_jax.parallel.step_modes import make_job_step
   from ntp_jax.state.sources import ArraySource
   from ntp_jax.training.optim import make_optimizer
 
@@ -169,7 +169,7 @@ def test_proportional_shares_equal_a_single_device_fed_the_same_sequences(workdi
           plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(config.train.seed)), optimizer,
           config.train.clip_norm, batch * config.train.seq_len, jax.devices()[:1], source=source,
           cache=cache)
-      job = JobStep(plan, programs, cache=cache)
+      job = make_job_step(plan, programs, cache=cache)
     losses.append(float(job(dataset.sequences(cursor, batch))["loss"]))
     cursor += batch
   np.testing.assert_allclose(ntp.losses, losses, rtol=1e-4)

@@ -7,7 +7,7 @@ import numpy as np
 from helpers import micro_config
 
 from ntp_jax.data import make_dataset
-from ntp_jax.parallel.job_step import JobStep
+from ntp_jax.parallel.step_modes import make_job_step
 from ntp_jax.training.metrics import read_metrics
 from ntp_jax.training.trainer import train
 
@@ -40,7 +40,7 @@ def test_validation_loss_summary_and_tensorboard(tmp_path):
 
   # The same held-out rows through the training program's loss (no update): equal.
   job = summary.programs[0]
-  step = JobStep(summary.plan, summary.programs)
+  step = make_job_step(summary.plan, summary.programs)
   dataset = make_dataset(None, config.model.vocab_size, config.train.seq_len, str(tmp_path),
                          config.train.seed, max_corpus_bytes=config.data.max_corpus_bytes,
                          val_fraction=config.data.val_fraction)

@@ -15,8 +15,8 @@ import pytest
 from helpers import WaitForAhead, micro_config
 
 from ntp_jax.model import load_model_spec
-from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.programs import build_class_programs, logical_state
+from ntp_jax.parallel.step_modes import make_job_step
 from ntp_jax.state.checkpoint import Checkpoints
 from ntp_jax.training.config import RunConfig
 from ntp_jax.training.loop import plan_for
@@ -103,7 +103,7 @@ def test_a_zero1_checkpoint_restores_onto_a_replicated_plan_and_back_exactly(tmp
                                       config.train.clip_norm, plan.global_batch,
                                       jax.devices(), source=checkpoints.source(4),
                                       split=zero is not None)
-      step = JobStep(plan, programs, split=zero is not None, zero=zero)
+      step = make_job_step(plan, programs, split=zero is not None, zero=zero)
       step.optimizer_states()
       got = {path: np.asarray(x) for path, x in logical_state(programs).items()}
       assert got.keys() == want.keys()

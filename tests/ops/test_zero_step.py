@@ -12,9 +12,9 @@ from flax import nnx
 from helpers import SEQ, SMALL, assert_trees_close, global_batch
 
 from models.gpt import GPT, model_layouts
-from ntp_jax.parallel.job_step import JobStep
 from ntp_jax.parallel.plan import make_plan
 from ntp_jax.parallel.programs import build_class_programs, keep_rows
+from ntp_jax.parallel.step_modes import make_job_step
 from ntp_jax.parallel.zero import ZeroSettings, moment_fields, piece_count
 from ntp_jax.training.config import parse_failed
 from ntp_jax.training.optim import decay_mask
@@ -47,7 +47,7 @@ def job(tp, dp, failed="", copies=None, rebalance="equal", stage=1, batch_size=N
                                   jax.devices()[:tp * dp], split=True)
   zero = None if copies is None else ZeroSettings(optimizer(masked=False), decay_mask, CLIP,
                                                   copies, stage=stage)
-  return JobStep(plan, programs, split=True, zero=zero)
+  return make_job_step(plan, programs, split=True, zero=zero)
 
 
 def steps(step, n):
@@ -170,7 +170,7 @@ def test_the_class_layout_state_comes_back_exactly_and_from_live_copies():
   assert step.zero.pieces == 2
   steps(step, 2)
   first = class_states(step)
-  again = JobStep(step.plan, step.programs, split=True, zero=step.zero.settings)
+  again = make_job_step(step.plan, step.programs, split=True, zero=step.zero.settings)
   dead = set(step.programs[0].mesh.devices[0])
   again.zero_state = jax.tree.map(lambda x: spoil(x, dead), again.zero_state)
   again.optimizer_states(dead)

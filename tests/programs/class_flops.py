@@ -19,9 +19,9 @@ from helpers import SMALL  # noqa: E402
 
 from models.gpt import GPT, model_layouts  # noqa: E402
 from ntp_jax.analysis.cost import class_step_flops, own_shard_flops  # noqa: E402
-from ntp_jax.parallel.job_step import JobStep  # noqa: E402
 from ntp_jax.parallel.plan import make_plan  # noqa: E402
 from ntp_jax.parallel.programs import PlanPrograms  # noqa: E402
+from ntp_jax.parallel.step_modes import make_job_step  # noqa: E402
 from ntp_jax.training.config import parse_failed  # noqa: E402
 
 SEQ = 128  # enough tokens that per-step work dominates the per-parameter sync work
@@ -34,7 +34,7 @@ def job(cfg, tp, dp, failed, batch_size):
   programs = PlanPrograms(plan, lambda layouts: GPT(cfg, layouts, rngs=nnx.Rngs(0)),
                           optax.adamw(1e-3), 1.0, plan.global_batch * SEQ,
                           jax.devices()[:tp * dp]).abstract()  # shapes: nothing placed
-  return JobStep(plan, programs)
+  return make_job_step(plan, programs)
 
 
 def flops_by_class(failed):

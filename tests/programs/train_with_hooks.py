@@ -14,7 +14,7 @@
   the checkpoint of step ``S``, as it starts reading the state off its devices: the
   survivors meet the loss in the save's collectives.
 - ``NTP_JAX_DIE_IN_PHASE=P:S:PHASE``: process ``P`` kills itself (SIGKILL) as step ``S``
-  enters ``PHASE`` of the sharded optimizer's step (``job_step.JobStep._phase``: ``grad``,
+  enters ``PHASE`` of the sharded optimizer's step (``ShardedJobStep._phase``: ``grad``,
   ``reduce``, ``gather``, ``unpack``, ...): a loss placed after the update committed.
 - ``NTP_JAX_WAIT_FOR_AHEAD=1``: before every step, wait for the compile ahead of the
   plans one event away to finish (``ntp.precompile``), as a long run's failures come
@@ -86,19 +86,20 @@ def die_in_save(process: int, step: int) -> None:
 
 
 class DieInPhase(Hook):
-  """Process ``process`` ends itself as step ``step`` enters ``phase`` (``JobStep._phase``)."""
+  """Process ``process`` ends itself as step ``step`` enters ``phase``
+  (``ShardedJobStep._phase``)."""
 
   def __init__(self, process: int, step: int, phase: str):
-    import ntp_jax.parallel.job_step as job_step
+    import ntp_jax.parallel.sharded_step as sharded_step
     self.step, self.now = step, None
-    enter = job_step.JobStep._phase
+    enter = sharded_step.ShardedJobStep._phase
 
     def entering(job, name, run):
       if (self.now, name) == (step, phase) and jax.process_index() == process:
         os.kill(os.getpid(), signal.SIGKILL)
       return enter(job, name, run)
 
-    job_step.JobStep._phase = entering
+    sharded_step.ShardedJobStep._phase = entering
 
   def before_step(self, step, services):
     self.now = step
