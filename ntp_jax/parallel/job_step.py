@@ -115,16 +115,17 @@ class JobStep:
       value = total / (len(sequences) * (sequences.shape[1] - 1)) if value is None else value
     return value
 
-  # -- a sharded optimizer state (``sharded_step``); here the class programs hold it --------
+  # -- the state a sharded optimizer holds apart (``sharded_step``); here the classes hold it --
 
-  def optimizer_states(self, dead: Collection[jax.Device] = frozenset(),
-                       lost: Collection[jax.Device] = frozenset(),
-                       survivors: Sequence[ClassProgram] | None = None) -> None:
-    """Put the optimizer state back into the class programs (``program.opt_state``) for a
-    checkpoint or a move: it is there already."""
-
-  def release_optimizer_states(self) -> None:
-    """Drop the class layout's optimizer state where another holds it: nothing to drop."""
+  def class_programs(self, dead: Collection[jax.Device] = frozenset(),
+                     lost: Collection[jax.Device] = frozenset(),
+                     survivors: Sequence[ClassProgram] | None = None) -> list[ClassProgram]:
+    """The training state in the class layout (for a checkpoint or a move to another plan):
+    here the class programs hold it, so they are returned as they are (``survivors``, the
+    programs cut to the live processes' rows, where given). ``dead`` and ``lost`` are the
+    failed devices and the lost processes' (``sharded_step.ShardedJobStep`` reads its
+    pieces around them)."""
+    return list(self.programs if survivors is None else survivors)
 
   def take_pending_loss(self) -> ProcessLost | None:
     """A loss met after the last step's update committed: none here (the update is the

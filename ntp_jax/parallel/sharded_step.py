@@ -3,19 +3,20 @@
 Each class's gradient half (zero2: per micro-batch) leaves its gradients in sync buffers;
 ``zero.ShardedOptimizer`` reduces them into the pieces, updates the pieces (no collective)
 and gathers the new parameters, which each class unpacks. The class programs'
-``opt_state`` moves into the step's sharded state and is None between steps
-(``optimizer_states`` gives it back in the class layout).
+``opt_state`` moves into the step's sharded state (and is None there from then on);
+``class_programs`` gives the training state back in the class layout, as a value.
 
 Where steps commit (``processes.commit``), each phase of collectives is voted on before
 the next; the update runs once every live process voted that the reduction ended well,
 so every survivor updates its pieces or none does. From then on the pieces are the state:
 a process lost while the parameters are gathered or unpacked leaves the step applied,
 the loss waiting (``take_pending_loss``) and the parameters rebuilt from the master
-weights' pieces (``params_behind``; ``optimizer_states``).
+weights' pieces (``params_behind``; ``class_programs``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -76,7 +77,6 @@ class ShardedJobStep(SyncedJobStep):
   def __call__(self, batch: Any) -> dict[str, jax.Array]:
     """The gradients reduced into the pieces, the update of the pieces, and each class's
     parameters unpacked from the gathered buffers (see the module docstring)."""
-    self.release_optimizer_states()  # the sharded state moves on: a class copy would be stale
     pieces, metrics, templates = self._reduced(batch)
     if self.handoff:  # the processes with no core device take the metrics from their class
       metrics = self._phase("metrics", lambda: self._handed_off(metrics))
@@ -167,20 +167,21 @@ class ShardedJobStep(SyncedJobStep):
 
   # -- the optimizer state in the class layout ------------------------------------------------
 
-  def optimizer_states(self, dead: Collection[jax.Device] = frozenset(),
-                       lost: Collection[jax.Device] = frozenset(),
-                       survivors: Sequence[ClassProgram] | None = None) -> None:
-    """Put the optimizer state back into the class programs in the class layout
-    (``program.opt_state``), for a checkpoint or a move to another plan;
-    ``release_optimizer_states`` drops it again.
+  def class_programs(self, dead: Collection[jax.Device] = frozenset(),
+                     lost: Collection[jax.Device] = frozenset(),
+                     survivors: Sequence[ClassProgram] | None = None) -> list[ClassProgram]:
+    """The training state in the class layout, as a replicated run keeps it: copies of the
+    class programs whose ``opt_state`` is the sharded state given back (abstract for a
+    class of another process), for a checkpoint or a move to another plan. The step's own
+    programs keep no optimizer state (``opt_state`` None: the pieces hold it).
 
     Args:
       dead: failed devices, whose pieces are taken from other copies.
       lost: the devices of lost processes (among ``dead`` or not).
       survivors: where ``lost`` holds devices of this plan, the class programs cut to
-        the live processes' rows (``programs.live_rows``): their ``opt_state`` is set
-        instead, read back among them (``zero_survivors``), and their ``params`` too where
-        a process was lost after the step's update committed (``params_behind``).
+        the live processes' rows (``programs.live_rows``): the copies are of these, their
+        state read back among them (``zero_survivors``), their parameters too where a
+        process was lost after the step's update committed (``params_behind``).
 
     Raises:
       LookupError: a piece of the state cannot be read back
@@ -188,8 +189,6 @@ class ShardedJobStep(SyncedJobStep):
         when ``lost`` holds devices of this plan and no ``survivors`` are given): the
         same in every process.
     """
-    if self.first_local.opt_state is not None:  # given back already
-      return
     gone = sorted({d.process_index for p in self.programs for d in p.mesh.devices.flat
                    if d in set(lost)})
     if gone and survivors is None:  # the programs that read the pieces back span them
@@ -201,25 +200,19 @@ class ShardedJobStep(SyncedJobStep):
     count = self.zero_count if held is None else int(np.asarray(held))
     if gone:
       rebuild = SurvivorRebuild(self.zero, self.programs, survivors, set(dead) | set(lost))
-      if self.params_behind:  # lost after a committed update: from the master weights
-        for program, params in zip(survivors, rebuild.params(self.zero_state)):
-          program.params = program.params if params is None else params
-      for program, state in zip(survivors, rebuild.opt_states(self.zero_state,
-                                                              self.opt_shapes, count)):
-        program.opt_state = state
-      return
+      # Lost after a committed update: the parameters from the master weights' pieces.
+      params = (rebuild.params(self.zero_state) if self.params_behind
+                else [None] * len(survivors))
+      states = rebuild.opt_states(self.zero_state, self.opt_shapes, count)
+      return [dataclasses.replace(p, opt_state=state, params=p.params if q is None else q)
+              for p, state, q in zip(survivors, states, params)]
     if self.params_behind:  # only a lost process leaves them so (``__call__``)
       raise LookupError("the parameters are a step behind the optimizer's pieces and no lost "
                         "process's devices were given")
     states = self.zero.class_opt_states(self.zero_state, self.programs, self.opt_shapes,
                                         count, set(dead) | set(lost))
-    for program, state, shape in zip(self.programs, states, self.opt_shapes):
-      program.opt_state = shape if state is None else state
-
-  def release_optimizer_states(self) -> None:
-    """Drop the class layout's optimizer state (the sharded state holds it)."""
-    for program in self.programs:
-      program.opt_state = None
+    return [dataclasses.replace(p, opt_state=shape if state is None else state)
+            for p, state, shape in zip(self.programs, states, self.opt_shapes)]
 
   def take_pending_loss(self) -> ProcessLost | None:
     """The loss met after the last step's update committed (``__call__``), once: the
@@ -228,7 +221,7 @@ class ShardedJobStep(SyncedJobStep):
     return lost
 
   def lower_read_back(self) -> Callable[[], list]:
-    """``() -> [(what, None, lowered)]``, the programs ``optimizer_states``
+    """``() -> [(what, None, lowered)]``, the programs ``class_programs``
     runs that no step does (the zeroed templates, the gathering), for compiling ahead of a
     failure; bound to the shapes now (the arrays may be donated before it is called)."""
     zero = self.zero
@@ -249,7 +242,7 @@ class ShardedJobStep(SyncedJobStep):
 
   def lower_read_back_by_survivors(self, survivors: Sequence[ClassProgram],
                                    dead: Collection[jax.Device]) -> Callable[[], list]:
-    """``() -> [(what, None, lowered)]``, the programs ``optimizer_states``
+    """``() -> [(what, None, lowered)]``, the programs ``class_programs``
     runs when a lost process leaves ``survivors`` (cut, abstract: ``live_rows(...,
     shapes_only=True)``), for compiling ahead of the loss; bound now. It gives none
     where a piece would have no surviving holder (the loss takes the restart path)."""

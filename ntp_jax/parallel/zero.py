@@ -534,7 +534,7 @@ class ShardedOptimizer:
       count: the optimizer's step count (host int, the same in every process).
       dead: devices whose pieces must not be read: each is taken from another copy, in
         this process or another (``_gather_live_fn``; every program here runs on them: a
-        lost process's devices are the caller's to refuse, ``ShardedJobStep.optimizer_states``).
+        lost process's devices are the caller's to refuse, ``ShardedJobStep.class_programs``).
 
     Raises:
       LookupError: a piece is held by dead devices only (one line, for the log; the same

@@ -276,7 +276,7 @@ class TrainingRun:
       dead = {self.devices[r * tp + s] for r, s in failed - state.failed}
       dead |= self.guard.lost_devices
       programs = state.programs
-      if self.zero is not None:  # a sharded state moves in the class layout (optimizer_states)
+      if self.zero is not None:  # a sharded state moves in the class layout (class_programs)
         programs = [dataclasses.replace(p, opt_state=shape)
                     for p, shape in zip(programs, state.job_step.opt_shapes)]
       if process is not None:  # as process_lost: the old state on the live processes' rows
@@ -371,11 +371,9 @@ class TrainingRun:
     state = self.state
     meta = {"data_cursor": state.cursor, "plan": state.plan.summary(),
             "config": self.config.to_json_dict()}
-    state.job_step.optimizer_states()  # a sharded optimizer state in the class layout, for now
-    try:
-      self.checkpoints.save(state.step, logical_state(state.programs, self.cache), meta)
-    finally:
-      state.job_step.release_optimizer_states()
+    # A sharded optimizer state is saved in the class layout (``class_programs``).
+    self.checkpoints.save(state.step, logical_state(state.job_step.class_programs(), self.cache),
+                          meta)
 
   def _evaluate(self, rows: np.ndarray) -> float:
     return self._survived("eval", lambda: self.state.job_step.eval_loss(rows))
@@ -454,11 +452,11 @@ class TrainingRun:
     try:
       # A sharded optimizer state in the class layout, each piece from a live copy (after
       # a lost process, read back among the survivors: state.programs are their rows).
-      state.job_step.optimizer_states(dead, lost=self.guard.lost_devices,
-                                      survivors=state.programs)
-      poison(state.programs, dead)
-      source = PeerSource(state.programs, dead | self.guard.lost_devices,
-                          devices=self.devices, cache=self.cache)
+      programs = state.job_step.class_programs(dead, lost=self.guard.lost_devices,
+                                               survivors=state.programs)
+      poison(programs, dead)
+      source = PeerSource(programs, dead | self.guard.lost_devices, devices=self.devices,
+                          cache=self.cache)
       self._voted_move(lambda: self.build(plan, source))
     except LookupError as err:
       self.log(f"  live recovery impossible ({err}); restoring the last checkpoint instead")

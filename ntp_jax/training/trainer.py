@@ -417,10 +417,11 @@ def _run(config: RunConfig, model: ModelSpec, optimizer, devices, checkpoints,
   finally:
     writer.close()
   ahead = run.precompiler
-  if getattr(state, "job_step", None) is not None:  # a sharded state: the class layout's back
-    state.job_step.optimizer_states()
+  programs = state.programs
+  if getattr(state, "job_step", None) is not None:  # a sharded state: in the class layout
+    programs = state.job_step.class_programs()
   return TrainResult(plan=state.plan, metrics_path=writer.path, losses=run.losses,
-                     records=run.records, programs=state.programs, start_step=start.step,
+                     records=run.records, programs=programs, start_step=start.step,
                      interrupted=stop.received is not None, checkpoint=where,
                      goodput=run.clock.buckets(), cache=(run.cache.hits, run.cache.misses),
                      moved_bytes=run.moved_bytes, redone_steps=run.redone_steps,

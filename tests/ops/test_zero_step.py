@@ -55,8 +55,7 @@ def steps(step, n):
 
 
 def class_states(step):
-  step.optimizer_states()
-  return [jax.tree.map(np.asarray, (p.params, p.opt_state)) for p in step.programs]
+  return [jax.tree.map(np.asarray, (p.params, p.opt_state)) for p in step.class_programs()]
 
 
 def spoil(array, dead):
@@ -170,11 +169,11 @@ def test_the_class_layout_state_comes_back_exactly_and_from_live_copies():
   assert step.zero.pieces == 2
   steps(step, 2)
   first = class_states(step)
-  again = make_job_step(step.plan, step.programs, split=True, zero=step.zero.settings)
+  again = make_job_step(step.plan, step.class_programs(), split=True, zero=step.zero.settings)
   dead = set(step.programs[0].mesh.devices[0])
   again.zero_state = jax.tree.map(lambda x: spoil(x, dead), again.zero_state)
-  again.optimizer_states(dead)
-  second = [jax.tree.map(np.asarray, (p.params, p.opt_state)) for p in again.programs]
+  second = [jax.tree.map(np.asarray, (p.params, p.opt_state))
+            for p in again.class_programs(dead)]
   jax.tree.map(np.testing.assert_array_equal, second, first)
 
 
@@ -190,7 +189,7 @@ def test_a_piece_with_no_live_copy_is_one_line():
   steps(step, 1)
   with pytest.raises(LookupError, match=r"piece 1 of peer group 0 was held by failed "
                                          r"devices only \(train.optimizer_copies=1\)"):
-    step.optimizer_states({step.programs[0].mesh.devices[1, 0]})
+    step.class_programs({step.programs[0].mesh.devices[1, 0]})
 
 
 def survivors_of(step, dropped):
@@ -217,13 +216,12 @@ def test_the_survivors_of_a_lost_replica_read_the_state_back_exactly():
   assert step.zero.pieces == 2 and len(step.plan.classes) == 2
   steps(step, 2)
   whole = class_states(step)
-  step.release_optimizer_states()
   survivors, dead = survivors_of(step, {0})
   step.zero_state = jax.tree.map(lambda x: spoil(x, dead), step.zero_state)
   lowered = step.lower_read_back_by_survivors(survivors, dead)()
   assert [what for what, _, _ in lowered].count(
       "optimizer state read back by survivors (unpack)") == 2
-  step.optimizer_states(dead, lost=dead, survivors=survivors)
+  survivors = step.class_programs(dead, lost=dead, survivors=survivors)
   rows = [[1, 2], [0]]  # class 0 keeps replicas 1 and 2, class 1 replica 3
   for survivor, (_, opt), kept in zip(survivors, whole, rows):
     want = jax.tree.map(lambda x, kept=kept: x[kept] if x.ndim else x, opt)
@@ -241,4 +239,4 @@ def test_survivors_missing_a_piece_are_one_line():
   with pytest.raises(LookupError, match=r"^optimizer state piece 0 \(of every peer group\) "
                                          r"was held only by replicas of lost processes "
                                          r"\(train.optimizer_copies=2\)$"):
-    step.optimizer_states(dead, lost=dead, survivors=survivors)
+    step.class_programs(dead, lost=dead, survivors=survivors)
