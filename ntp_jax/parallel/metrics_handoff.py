@@ -52,8 +52,9 @@ def hand_off(cache: ProgramCache, mesh: Mesh, metrics: dict | None) -> dict:
     cache: the run's programs.
     mesh: a class mesh holding a device of this process; its replica 0's slot 0 is a core
       device.
-    metrics: ``{"loss", "grad_norm"}``, float32 scalars replicated over the core devices;
-      None in a process holding no core device.
+    metrics: ``{"loss", "grad_norm"}``, float32 arrays holding the same value on every
+      core device (``ShardedOptimizer.reduce``, ``norm``); None in a process holding no
+      core device.
 
   Returns:
     The same names, float32 scalars replicated over ``mesh``.

@@ -74,13 +74,17 @@ class ShardedJobStep(SyncedJobStep):
     in place of the all-reduce)."""
     return [p.key for p in self.programs if p.key is not None] + [self.zero_key]
 
-  def __call__(self, batch: Any) -> dict[str, jax.Array]:
-    """The gradients reduced into the pieces, the update of the pieces, and each class's
-    parameters unpacked from the gathered buffers (see the module docstring)."""
-    pieces, metrics, templates = self._reduced(batch)
+  def __call__(self, batch: Any) -> dict[str, np.ndarray]:
+    """The gradients reduced into the pieces, their norm, the update of the pieces, and each
+    class's parameters unpacked from the gathered buffers (see the module docstring).
+    Returns the job's ``loss`` and ``grad_norm`` (f32 numpy scalars, read here)."""
+    pieces, sums, templates = self._reduced(batch)
+    norm = self._phase("norm", lambda: self.zero.norm(sums))
+    metrics = None if sums is None else {"loss": sums["loss"], "grad_norm": norm}
     if self.handoff:  # the processes with no core device take the metrics from their class
       metrics = self._phase("metrics", lambda: self._handed_off(metrics))
-    self.zero_state = self.zero.update(pieces, self.zero_state)
+    metrics = _read(metrics)
+    self.zero_state = self.zero.update(pieces, norm, self.zero_state)
     self.zero_count += 1
     self.params_behind = True
     try:
@@ -123,21 +127,21 @@ class ShardedJobStep(SyncedJobStep):
     """The step's gradients reduced into the pieces (``ShardedOptimizer.reduce``): zero1,
     each class's gradient half then one reduction; zero2, one round per micro-batch (as
     many as the class with the most), each class running its next micro-batch (zeros once
-    it has none left) and the round reduced into the running sum. Returns the clipped
-    pieces, the metrics (None in a process with no core device) and the last round's
+    it has none left) and the round reduced into the running sum. Returns the pieces, the
+    per-device sums (``reduce``'s; None in a process with no core device) and the last round's
     buffers' positions past ``t_min`` (``CrossClassSync.outer``: the core positions are
     freed before the update). ``votes``: phases voted on where steps commit."""
     phase = self._phase if votes else lambda _, run: run()
     if self.zero.settings.stage == 1:
       buffers = phase("grad", lambda: self._gradient_buffers(batch))
-      pieces, metrics = phase("reduce", lambda: self.zero.reduce(buffers))
-      return pieces, metrics, self.sync.outer(buffers)
+      pieces, sums = phase("reduce", lambda: self.zero.reduce(buffers))
+      return pieces, sums, self.sync.outer(buffers)
     rounds, inputs = [], []
     for program, local, (start, _) in zip(self.programs, self.local, self.plan.class_rows()):
       c = program.replica_class
       rounds.append(micro_starts(c.batch_share, c.microbatches))
       inputs.append(class_batch(program, batch, start) if local else None)
-    pieces = metrics = buffers = None
+    pieces = sums = buffers = None
     count = max(map(len, rounds))
     for i in range(count):
       def micro(i=i):
@@ -156,9 +160,9 @@ class ShardedJobStep(SyncedJobStep):
         return out
 
       buffers = phase(f"grad{i}", micro)
-      pieces, metrics = phase(f"reduce{i}", lambda b=buffers, t=pieces, last=i == count - 1:
-                              self.zero.reduce(b, t, last=last))
-    return pieces, metrics, self.sync.outer(buffers)
+      pieces, sums = phase(f"reduce{i}", lambda b=buffers, t=pieces, last=i == count - 1:
+                           self.zero.reduce(b, t, last=last))
+    return pieces, sums, self.sync.outer(buffers)
 
   def _phase(self, name: str, run: Callable[[], Any]) -> Any:
     """``run()``; where steps commit, its outputs once every live process voted that its
@@ -258,6 +262,13 @@ class ShardedJobStep(SyncedJobStep):
 
     return lower
 
+
+
+def _read(metrics: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+  """Each metric (the same on every device that holds it) as a numpy scalar, read from one
+  of this process's devices: no program over the others."""
+  return {name: np.asarray(value.addressable_shards[0].data, np.float32).reshape(())
+          for name, value in metrics.items()}
 
 
 def _renewed(x: jax.Array) -> jax.Array:

@@ -14,19 +14,25 @@ the master weights); which elements decay is a static
 property of the layout (``decay_runs``), computed in the program; devices past
 the core slots keep none.
 
-One step, over a ``('copy', 'piece', 'peer')`` mesh of the core devices, in three
+One step, over a ``('copy', 'piece', 'peer')`` mesh of the core devices, in four
 programs, so that what consumes the state runs no collective across processes
 (``job_step``: a step that commits votes between them, ``processes.commit``):
 
 1. ``reduce``: reduce-scatter of the gradient buffers over ``'piece'``, then an
-   all-reduce of the piece over ``'copy'`` (nothing with one copy); the global
-   norm of the pieces (each logical element once) and the clipping by it;
-2. ``update``: the optimizer's update of each piece (the trainer's AdamW without
-   its decay mask, the decayed elements' runs applied in the program), the
-   state donated, with no collective;
-3. ``gather_params``: all-gather of the updated master weights over ``'piece'``,
+   all-reduce of the piece over ``'copy'`` (nothing with one copy): collectives
+   among the replicas of each peer group only;
+2. ``norm``: the global norm of the pieces (each logical element once), one
+   all-reduce over ``('piece', 'peer')``;
+3. ``update``: the clipping by the norm and the optimizer's update of each piece
+   (the trainer's AdamW without its decay mask, the decayed elements' runs
+   applied in the program), the state donated, with no collective;
+4. ``gather_params``: all-gather of the updated master weights over ``'piece'``,
    in the parameters' dtype; each class unpacks them into its blocks
    (``steps.SplitStep.unpack``).
+
+Each program's collectives group the devices one way (the norm's apart from the
+reduction's), so a peer lost inside one leaves half-entered only collectives whose
+group holds the lost device: none that a later plan reuses (``processes.commit``).
 
 With one copy the bytes across domains are a reduce-scatter and an
 all-gather of the buffer: an all-reduce's.
@@ -34,7 +40,7 @@ all-gather of the buffer: an all-reduce's.
 ZeRO-2 (``ZeroSettings.stage=2``) runs step 1 per micro-batch instead: each
 class's gradient half runs one micro-batch (``steps.SplitStep.micro_grad``)
 and its buffers are reduce-scattered at once and added to float32 pieces
-(``reduce`` with the running sum; the norm with the last), so no device
+(``reduce`` with the running sum), so no device
 carries a whole step's gradient. Each micro-batch sends a reduce-scatter:
 with ``m`` micro-batches, ``m`` reduce-scatters and one all-gather per step
 (with ``m = 1``, zero1's bytes).
@@ -281,7 +287,8 @@ class ShardedOptimizer:
     self._gather_live = jax.jit(self._gather_live_fn, static_argnames=("lengths",))
     self._start = jax.jit(self._start_fn)
     self._reduce = jax.jit(self._reduce_fn, donate_argnums=(1,), static_argnames=("last",))
-    self._update = jax.jit(self._update_fn, donate_argnums=(1,))
+    self._norm = jax.jit(self._norm_fn)
+    self._update = jax.jit(self._update_fn, donate_argnums=(2,))
 
   # -- the programs ---------------------------------------------------------------------------
 
@@ -375,10 +382,11 @@ class ShardedOptimizer:
   def _reduce_fn(self, grads: dict, total: dict | None, last: bool = True
                  ) -> dict | tuple[dict, dict]:
     """One round of gradient buffers (zero1: the step's; zero2: a micro-batch's) reduced
-    into float32 pieces and added to ``total`` (the earlier rounds' sum; None: the first).
-    With ``last``, also the step's loss (the float32 buffer's last element, summed with the
-    gradients) and the global norm of the pieces, and the pieces clipped by it and their
-    padding zeroed: ``(pieces, {"loss", "grad_norm"})``."""
+    into float32 pieces and added to ``total`` (the earlier rounds' sum; None: the first):
+    collectives across the replicas of each peer group only. With ``last``, the pieces
+    come back with their padding zeroed, and with each device's ``loss`` (the float32
+    buffer's last element, summed with the gradients) and ``squares`` (the sum of squares
+    of its piece), ``[live replicas, t_min]`` over the piece mesh (for ``_norm_fn``)."""
 
     def body(local, *earlier):
       summed = {name: self._reduce_local(x) for name, x in local.items()}
@@ -394,32 +402,30 @@ class ShardedOptimizer:
       loss_piece = summed[LOSS_DTYPE]  # [n]: the loss buffer holds no stacked parameter
       at_loss = self._index(loss_piece.shape[-1]) == local[LOSS_DTYPE].shape[-1] - 1
       loss = jax.lax.psum(jnp.sum(jnp.where(at_loss, loss_piece, 0)), PIECE)
-      norm = jnp.sqrt(jax.lax.psum(sum(jnp.sum(jnp.square(v)) for v in g.values()),
-                                   (PIECE, PEER)))
+      squares = sum(jnp.sum(jnp.square(v)) for v in g.values())
+      return jax.tree.map(_lead, g), {"loss": loss[None, None], "squares": squares[None, None]}
+
+    ins = (PIECE_SPEC,) if total is None else (PIECE_SPEC, PIECE_SPEC)
+    args = (grads,) if total is None else (grads, total)
+    return self._map(body, ins, (PIECE_SPEC, PIECE_SPEC) if last else PIECE_SPEC, *args)
+
+  def _norm_fn(self, squares: jax.Array) -> jax.Array:
+    """The global gradient norm on every core device, ``[live replicas, t_min]``, from each
+    device's ``squares`` (``_reduce_fn``): one all-reduce over the pieces and peer groups
+    of each copy (each logical element counted once)."""
+    return self._map(lambda sq: jnp.sqrt(jax.lax.psum(sq, (PIECE, PEER))), (PIECE_SPEC,),
+                     PIECE_SPEC, squares)
+
+  def _update_fn(self, g: dict, norm: jax.Array, state: dict) -> dict:
+    """The optimizer's update of each piece from the gradient pieces ``g`` (``_reduce_fn``
+    with ``last``), clipped by ``norm`` (``_norm_fn``), the state donated: element by
+    element, no collective."""
+
+    def body(g, norm, state):
+      g, state, norm = jax.tree.map(_unlead, g), jax.tree.map(_unlead, state), norm[0, 0]
       if self.settings.clip_norm:
         scale = jnp.where(norm > self.settings.clip_norm, self.settings.clip_norm / norm, 1.0)
         g = {name: v * scale for name, v in g.items()}
-      return (jax.tree.map(_lead, g),
-              {"loss": loss[None, None], "grad_norm": norm[None, None]})
-
-    if total is None:
-      out = self._map(body, (PIECE_SPEC,), (PIECE_SPEC, PIECE_SPEC) if last else PIECE_SPEC,
-                      grads)
-    else:
-      out = self._map(body, (PIECE_SPEC, PIECE_SPEC),
-                      (PIECE_SPEC, PIECE_SPEC) if last else PIECE_SPEC, grads, total)
-    if not last:
-      return out
-    pieces, metrics = out
-    return pieces, {k: v[0, 0] for k, v in metrics.items()}
-
-  def _update_fn(self, g: dict, state: dict) -> dict:
-    """The optimizer's update of each piece from the clipped gradient pieces ``g``
-    (``_reduce_fn`` with ``last``), the state donated: element by element, no
-    collective."""
-
-    def body(g, state):
-      g, state = jax.tree.map(_unlead, g), jax.tree.map(_unlead, state)
       master = state["master"]
       decayed = {}
       for name, x in master.items():
@@ -431,7 +437,7 @@ class ShardedOptimizer:
       return jax.tree.map(_lead, {"master": optax.apply_updates(master, updates), "opt": opt})
 
     specs = _specs(state)
-    return self._map(body, (PIECE_SPEC, specs), specs, g, state)
+    return self._map(body, (PIECE_SPEC, PIECE_SPEC, specs), specs, g, norm, state)
 
   # -- on the classes -------------------------------------------------------------------------
 
@@ -476,19 +482,20 @@ class ShardedOptimizer:
   def reduce(self, class_buffers: list[dict | None], total: dict | None = None, *,
              last: bool = True) -> tuple[dict | None, dict | None]:
     """One round of the classes' gradient buffers reduced into the pieces (``reduce`` of the
-    module docstring).
+    module docstring, less the norm: ``norm``).
 
     Args:
       class_buffers: per class, ``SplitStep.gradients``' buffers (zero2: one micro-batch's,
         ``micro_grad``; zeros for a class with no micro-batch left), None for a class of
         another process.
       total: the earlier rounds' sum (donated; None for the first round).
-      last: the step's last round: the pieces come back clipped, with the metrics.
+      last: the step's last round: the pieces come back with the per-device sums.
 
     Returns:
-      ``(pieces, metrics)``: float32 ``[live replicas, t_min, ..., ceil(L / pieces)]`` per
-      buffer; with ``last``, the job's ``loss`` and ``grad_norm`` (f32 scalars replicated
-      over the core devices), else None. Both None in a process with no core device.
+      ``(pieces, sums)``: float32 ``[live replicas, t_min, ..., ceil(L / pieces)]`` per
+      buffer; with ``last``, ``{"loss", "squares"}`` (float32 ``[live replicas, t_min]``
+      over the piece mesh: the job's loss on every core device, each device's sum of
+      squares), else None. Both None in a process with no core device.
     """
     stacked = self.sync.stack(class_buffers, self.sharding)
     if stacked is None:
@@ -496,11 +503,17 @@ class ShardedOptimizer:
     out = self._reduce(stacked, total, last=last)
     return out if last else (out, None)
 
-  def update(self, pieces: dict | None, state: dict | None) -> dict | None:
-    """The optimizer's update from the last round's ``reduce`` (``state`` donated; no
-    collective). Returns the new state (None in a process with no core
-    device)."""
-    return None if state is None else self._update(pieces, state)
+  def norm(self, sums: dict | None) -> jax.Array | None:
+    """The global gradient norm, float32 ``[live replicas, t_min]`` (the same on every core
+    device), from ``reduce``'s last ``sums`` (None in a process with no core device)."""
+    return None if sums is None else self._norm(sums["squares"])
+
+  def update(self, pieces: dict | None, norm: jax.Array | None, state: dict | None
+             ) -> dict | None:
+    """The optimizer's update from the last round's ``reduce``, clipped by ``norm``
+    (``state`` donated; no collective). Returns the new state (None in a process with no
+    core device)."""
+    return None if state is None else self._update(pieces, norm, state)
 
   def gather_params(self, state: dict | None, templates: list[dict | None]
                     ) -> list[dict | None]:
@@ -613,8 +626,8 @@ class ShardedOptimizer:
                  ) -> list[tuple[str, jax.stages.Lowered]]:
     """The programs of one step after the classes' gradient halves, lowered for abstract
     arguments, in the order they run: the reductions (``reduce``: zero1 one; zero2 the
-    first micro-batch's, a middle one's and the last one's, as ``rounds`` asks), the update
-    and the gathering of the parameters. ``(what, lowered)`` each; compiling them ahead
+    first micro-batch's, a middle one's and the last one's, as ``rounds`` asks), the norm,
+    the update and the gathering of the parameters. ``(what, lowered)`` each; compiling them ahead
     makes the first step compile nothing, and their memory analyses are one core
     device's.
 
@@ -640,7 +653,11 @@ class ShardedOptimizer:
       out.append(("sharded optimizer (last micro-batch)",
                   self._reduce.lower(buffers, total, last=True)))
     lengths = tuple(sorted((name, x.shape[-1]) for name, x in class_blocks[0].items()))
-    return out + [(UPDATE_PROGRAM, self._update.lower(total, state)),
+    # One value per core device: the norm, or each device's sum of squares going in.
+    norm = jax.ShapeDtypeStruct(self.sync.mesh.devices.shape, jnp.float32,
+                                sharding=self.sharding)
+    return out + [("sharded optimizer (norm)", self._norm.lower(norm)),
+                  (UPDATE_PROGRAM, self._update.lower(total, norm, state)),
                   ("sharded optimizer (parameters gathered)",
                    self._gather.lower(total, lengths=lengths, cast=True))]
 

@@ -327,21 +327,32 @@ def test_the_sharded_update_lowers_for_abstract_buffers(tmp_path):
             for what, lowered in optimizer.lower_step(blocks, rounds)]
 
   # What consumes the state runs no collective (a step that commits runs it after its vote).
-  kinds = {what: {c.kind for c in collectives(lowered.compile().as_text())}
-           for what, lowered in sharded.lower_step(blocks)}
-  assert kinds["sharded optimizer (update)"] == set(), kinds
-  assert "reduce-scatter" in kinds["sharded optimizer (reduce)"], kinds
-  assert kinds["sharded optimizer (parameters gathered)"] == {"all-gather"}, kinds
-  # zero1: the step's buffers reduced, the pieces and the state updated, the master
-  # weights' pieces gathered.
+  # Each program's collectives group the devices one way (a peer lost in one leaves no
+  # collective of another grouping half-entered), and the update holds none (a step that
+  # commits runs it after its vote).
+  groups = {what: {(c.kind, c.group_size) for c in collectives(lowered.compile().as_text())}
+            for what, lowered in sharded.lower_step(blocks)}
+  assert groups["sharded optimizer (update)"] == set(), groups
+  assert {k for k, _ in groups["sharded optimizer (reduce)"]} <= {"reduce-scatter",
+                                                                  "all-reduce"}, groups
+  # Two pieces (one copy): the reduction and the gathering among the 2 replicas of a peer
+  # group (the all-reduce over one copy is a group of one: nothing sent), the norm over
+  # every core device (2 replicas x t_min 3).
+  assert {n for _, n in groups["sharded optimizer (reduce)"]} - {1} == {2}, groups
+  assert groups["sharded optimizer (norm)"] == {("all-reduce", 6)}, groups
+  assert groups["sharded optimizer (parameters gathered)"] == {("all-gather", 2)}, groups
+  # zero1: the step's buffers reduced, the norm from one value per device, the pieces and
+  # the state updated, the master weights' pieces gathered.
   assert argument_bytes(sharded) == [
       ("sharded optimizer (reduce)", length * 4),
-      ("sharded optimizer (update)", pieces + device_bytes(state)),
+      ("sharded optimizer (norm)", 4),
+      ("sharded optimizer (update)", pieces + 4 + device_bytes(state)),
       ("sharded optimizer (parameters gathered)", pieces)]
   # zero2 over three rounds: a micro-batch's buffer, then with the summed pieces.
   zero2 = sharded_optimizer(plan, jax.devices(), dataclasses.replace(zero, stage=2))
   assert [n for _, n in argument_bytes(zero2, rounds=3)] == [
-      length * 4, length * 4 + pieces, length * 4 + pieces, pieces + device_bytes(state), pieces]
+      length * 4, length * 4 + pieces, length * 4 + pieces, 4,
+      pieces + 4 + device_bytes(state), pieces]
 
 
 def _huge_vocabulary():
