@@ -263,13 +263,20 @@ class CommittedJobStep(SyncedJobStep):
 
 
 
+# What a collective with a lost peer (or past its bound) raises: jaxlib reports it as a
+# ValueError where the program ran inside its dispatch (seen on CPU: a small program's
+# gloo all-reduce, "Connection closed by peer"). Any other error is raised again once the
+# vote found nobody lost (``process_guard.ProcessGuard.commit``).
+COLLECTIVE_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
+
+
 def voted(commit: Commit, phase: str, run: Callable[[], Any]) -> Any:
   """``run()``'s outputs once they are ready here and every live process voted that its own
   are (``commit``, which raises otherwise: the step is thrown away everywhere)."""
   try:
     outputs = run()
     jax.block_until_ready(outputs)
-  except jax.errors.JaxRuntimeError as err:  # a collective with a lost peer, or past its bound
+  except COLLECTIVE_ERRORS as err:
     commit(phase, err)  # raises
     raise
   commit(phase, None)

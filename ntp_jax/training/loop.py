@@ -22,6 +22,7 @@ import numpy as np
 from ntp_jax.analysis.hlo_collectives import collectives
 from ntp_jax.errors import ConfigError
 from ntp_jax.model import ModelSpec
+from ntp_jax.parallel.job_step import COLLECTIVE_ERRORS
 from ntp_jax.parallel.plan import Plan, make_plan, micro_batch_text, reachable_failed_sets
 from ntp_jax.parallel.programs import (
   UPDATE_SUFFIX,
@@ -395,7 +396,7 @@ class TrainingRun:
       self.guard.between_steps_starts()
       try:
         value = work()
-      except (jax.errors.JaxRuntimeError, CheckpointError) as err:  # a peer lost inside?
+      except (*COLLECTIVE_ERRORS, CheckpointError) as err:  # a peer lost inside?
         error = err
       try:
         self.guard.commit(self.state.step, self.state.plan, phase, error)
@@ -497,7 +498,7 @@ class TrainingRun:
       build()
       jax.block_until_ready([(p.params, p.opt_state) for p, local
                              in zip(self.state.programs, self.state.job_step.local) if local])
-    except jax.errors.JaxRuntimeError as err:  # a collective of the move with a lost peer
+    except COLLECTIVE_ERRORS as err:  # a collective of the move with a lost peer
       error = err
     if self.guard.commits(self.state.plan):
       self.guard.commit(self.state.step, self.state.plan, "move", error)

@@ -386,6 +386,34 @@ def test_a_lost_process_holding_optimizer_pieces_takes_the_restart_path(tmp_path
   assert [r["path"] for r in records if r.get("event") == "recovered"] == ["restart"]
 
 
+def test_a_process_lost_inside_the_sharded_norm_leaves_its_replica_at_a_lower_degree(tmp_path):
+  """zero1 with two copies, one process per device (4 x 1, dp=2 tp=2), recoverable: process 3
+  dies as step 4 enters the norm's all-reduce (over its replica's core devices). Process 2,
+  the one survivor in that all-reduce, is handed its failure at the program's dispatch
+  (jaxlib raises it as a ValueError there), votes it, and goes on with the others: the step
+  is thrown away, replica 1 trains on at TP degree 1, and with a constant global batch the
+  losses are the healthy one-process run's."""
+  steps = 8
+  settings = {"mesh.tp": 2, "train.steps": steps, "ntp.rebalance": "constant",
+              "train.optimizer_sharding": "zero1", "train.optimizer_copies": 2}
+  expected, _ = _reference(tmp_path, "one", **settings)
+  workdir = tmp_path / "four"
+  done = _launch(4, workdir, {**BASE, **settings, "checkpoint.every": 0,
+                              "distributed.recoverable": True,
+                              "distributed.heartbeat_timeout_s": HEARTBEAT_S,
+                              "distributed.processes_per_domain": 2, "ntp.precompile": "none"},
+                 launcher=["--run-on"], program="tests/programs/train_with_hooks.py",
+                 env={"NTP_JAX_DIE_IN_PHASE": "3:4:norm"}, timeout=300)
+  output = done.stdout + done.stderr
+  assert done.returncode == 0, output[-4000:]
+  assert "lost process 3 of 4 inside step 4 (norm phase" in output, output[-3000:]
+  assert [line for line in output.splitlines() if " exited with status " in line] == [
+      "[launch] process 3 exited with status 137; the others run on"], output[-3000:]
+  records = _equal_losses(workdir, expected, steps=steps)
+  degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
+  assert degrees[3] == [2, 2] and degrees[4] == [2, 1]
+
+
 def test_a_lost_process_holding_optimizer_pieces_rebuilds_them_live_from_copies(tmp_path):
   """zero1 with two copies of two pieces, 4 processes of one replica each (dp=4 tp=2),
   recoverable. At step 3 replica 0's slot 0 fails in live process 0: its piece's only
