@@ -15,10 +15,11 @@ has it. ``--pair``: a second process, of the other replica and holding other slo
 every shard unit keeps a live copy), 1 s later.
 
 Per trial it prints: survived (every step 0..steps-1 has a loss, the job
-exits 0, and the losses equal the healthy one-process run's to 1e-5
-relative), steps redone, seconds from the kill to the loss being known (the
-``process_lost`` row) and to the end of the next productive step, and the
-phase the step was in when its collectives raised (from the survivors' line).
+exits 0, no process but the killed ones ended early, and the losses equal the
+healthy one-process run's to 1e-5 relative), steps redone, seconds from the kill
+to the loss being known (the ``process_lost`` row) and to the end of the next
+productive step, and the phase the step was in when its collectives raised
+(from the survivors' line).
 A summary table per layout follows. The one-process reference runs first.
 """
 
@@ -169,7 +170,12 @@ def trial(layout: str, index: int, args, reference: dict[int, float], rng: rando
   complete = sorted(got) == list(range(args.steps))
   equal = complete and np.allclose([got[s][0] for s in range(args.steps)],
                                    [reference[s] for s in range(args.steps)], rtol=1e-5)
-  out["survived"] = bool(status == 0 and equal)
+  # Only the processes killed may end early: a survivor that stopped is a process lost too.
+  exits = [re.search(r"\[launch\] process (\d+) exited with status (\d+)", line)
+           for _, line in lines]
+  out["stopped"] = sorted(int(m.group(1)) for m in exits
+                          if m and int(m.group(1)) not in out["victims"])
+  out["survived"] = bool(status == 0 and equal and not out["stopped"])
   lost = [r for r in records if r.get("event") == "process_lost"]
   said = [re.search(r"redone: (\d+) step", line) for _, line in lines]
   out["redone"] = max([int(m.group(1)) for m in said if m], default=0)
@@ -218,7 +224,9 @@ def main() -> None:
       results.append(r)
       fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
       print(f"{layout} trial {i}: {'survived' if r['survived'] else 'NOT survived'} "
-            f"(status {r['status']}, killed {r['victims']}), redone {r['redone']}, "
+            f"(status {r['status']}, killed {r['victims']}"
+            f"{', survivors stopped ' + str(r['stopped']) if r['stopped'] else ''}), "
+            f"redone {r['redone']}, "
             f"loss known after {fmt(r.get('known_s'))} s, next step after "
             f"{fmt(r.get('next_step_s'))} s (steady step {fmt(r.get('steady_step_s'))} s), "
             f"{r['phase']}", flush=True)

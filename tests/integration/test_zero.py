@@ -151,23 +151,6 @@ def test_two_copies_recover_live_from_the_copies(tmp_path):
   assert not any("restor" in line for line in lines)
 
 
-def test_zero1_with_one_copy_takes_the_restart_path_and_says_why(tmp_path):
-  lines = []
-  config = config_of(tmp_path / "zero1", 10, **ZERO, **EVENTS)
-  config.checkpoint.every = 2
-  train(config, log=lines.append)
-  said = [line for line in lines if "live recovery impossible" in line]
-  # Slot 1 of replica 0 held piece 0 of position 1; then replica 3 held one of four pieces.
-  assert len(said) == 2, lines
-  assert said[0] == ("  live recovery impossible (optimizer state piece 0 of peer group 1 "
-                     "was held by failed devices only (train.optimizer_copies=1)); restoring "
-                     "the last checkpoint instead")
-  assert "of peer group 0 was held by failed devices only" in said[1]
-  assert sum("restoring step 4 from" in line for line in lines) == 1
-  assert not (tmp_path / "zero1" / "goodput.png").exists()  # train.plot=False: failures or not
-
-
-
 def test_sharded_recoveries_compiled_ahead_compile_nothing(tmp_path):
   """dp=2 tp=2, zero2 with two copies, two micro-batches, bfloat16 parameters: a failure, a
   second one in the other replica and a repair, each onto a plan compiled in the background
