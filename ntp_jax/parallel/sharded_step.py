@@ -83,7 +83,6 @@ class ShardedJobStep(SyncedJobStep):
     metrics = None if sums is None else {"loss": sums["loss"], "grad_norm": norm}
     if self.handoff:  # the processes with no core device take the metrics from their class
       metrics = self._phase("metrics", lambda: self._handed_off(metrics))
-    metrics = _read(metrics)
     self.zero_state = self.zero.update(pieces, norm, self.zero_state)
     self.zero_count += 1
     self.params_behind = True
@@ -97,12 +96,12 @@ class ShardedJobStep(SyncedJobStep):
       for program, local in zip(self.programs, self.local):
         if local:  # donated to an unpacking that did not commit: shapes for the rebuild
           program.params = jax.tree.map(_renewed, program.params)
-      return metrics
+      return _read(metrics)
     for program, local, new in zip(self.programs, self.local, params):
       if local:
         program.params = new
     self.params_behind = False
-    return metrics
+    return _read(metrics)  # once the rest is dispatched
 
   def gradients_only(self, batch: Any) -> None:
     """The step's own gradient work (zero1: the gradient halves; zero2: the micro-batch
