@@ -214,8 +214,8 @@ class TrainingRun:
                                           self.devices, source=source, cache=self.cache,
                                           loss=self.model.loss, split=split)
     state.job_step = make_job_step(plan, state.programs, cache=self.cache, split=split,
-                             before_sync=self._arrive if arrive else None, zero=self.zero,
-                             commit=self._commit if commits else None)
+                                   before_sync=self._arrive if arrive else None,
+                                   zero=self.zero, commit=self._commit if commits else None)
     if state.job_step.zero is not None:
       pieces = state.job_step.zero.pieces
       self.log(f"{'  ' if state.step else ''}optimizer state: {self.zero.name}, {pieces} "
