@@ -80,11 +80,10 @@ class ClassFootprint:
       classes, or zero1/zero2) the largest of theirs.
     batch: token bytes of the class's batch rows.
     outputs: step outputs not written in place of a donated input: the
-      largest of the programs'; zero1, the gradient buffers plus what the
-      sharded update gives back (the buffers are its argument, so both live
-      at once); zero2, the float32 summed pieces and the larger of one
-      micro-batch's gradient buffers and what the update gives back (the
-      buffers are freed before it runs).
+      largest of the programs'; zero1/zero2, the larger of a round's gradient
+      buffers beside the float32 summed pieces (the reduction's argument and
+      result) and the gathered parameters (the buffers and the pieces are
+      gone by then).
     flops: flops per device per step (None when not computed).
     optimizer: how the optimizer state is held (``optimizer_label``).
     read_back: zero1/zero2: bytes beside the parameters and the pieces while a checkpoint
