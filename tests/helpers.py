@@ -8,6 +8,7 @@ from another ``test_*.py`` module.
 
 import functools
 import os
+import re
 
 import jax
 import numpy as np
@@ -48,6 +49,17 @@ def process_env(devices=None, codegen=True, **extra):
   env.setdefault("JAX_PLATFORMS", "cpu")
   env.update(extra)
   return env
+
+
+_FATAL = re.compile(r"F\d{4} |Check failed|terminate called|what\(\)|Fatal Python error|Aborted")
+
+
+def job_output_tail(output: str, chars: int = 3000) -> str:
+  """A failed job's output for an assertion message: its last ``chars`` characters, after
+  every line that says why a process was aborted (a C++ check or an uncaught exception),
+  wherever it stands: those come before the Python dump that fills the tail."""
+  fatal = [line for line in output.splitlines() if _FATAL.search(line)]
+  return "\n".join(fatal + ["..."] + [output[-chars:]])
 
 
 def micro_config(workdir, **overrides):

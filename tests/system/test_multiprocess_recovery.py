@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import ROOT, micro_config, process_env
+from helpers import ROOT, job_output_tail, micro_config, process_env
 
 from ntp_jax.launch import free_port
 from ntp_jax.processes.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
@@ -92,7 +92,7 @@ def test_failures_and_repairs_in_either_process_recover_live(tmp_path):
   workdir = tmp_path / "two"
   done = _launch(2, workdir, {**BASE, **events, "checkpoint.every": 0, "ntp.precompile": "none",
                               "distributed.recoverable": True})
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+  assert done.returncode == 0, job_output_tail(done.stdout + done.stderr)
   records = _equal_losses(workdir, expected)
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
   assert [degrees[s] for s in (2, 3, 4, 5, 6, 7, 8, 9, STEPS - 1)] == [
@@ -140,9 +140,9 @@ def test_a_lost_process_leaves_a_just_in_time_checkpoint_and_a_smaller_restart_r
   settings = {**BASE, "checkpoint.every": 1000,
               "distributed.heartbeat_timeout_s": HEARTBEAT_S}
   status, seconds, output = _run_until_killed(workdir, settings, die_after=6)
-  assert status == 3, output[-3000:]
+  assert status == 3, job_output_tail(output)
   assert "error: lost process 1 of 2" in output
-  assert "wrote a just-in-time checkpoint of step 7" in output, output[-2000:]
+  assert "wrote a just-in-time checkpoint of step 7" in output, job_output_tail(output, 2000)
   assert seconds < HEARTBEAT_S + 10, seconds
   checkpoints = workdir / "checkpoints"
   assert sorted(p for p in os.listdir(checkpoints) if p.isdigit()) == ["7"]
@@ -246,10 +246,10 @@ def test_processes_killed_from_outside_inside_steps_leave_their_replicas_at_a_lo
               "distributed.processes_per_domain": 2, "ntp.precompile": "next_failure"}
   status, output = _four_killed(workdir, settings, [(0, 4), (3, 8)], random.Random(seed),
                                 env=process_env(NTP_JAX_WAIT_FOR_AHEAD="1"))
-  assert status == 0, output[-4000:]
+  assert status == 0, job_output_tail(output, 4000)
   said = [line for line in output.splitlines() if " exited with status " in line]
   assert said == [f"[launch] process {p} exited with status 137; the others run on"
-                  for p in (0, 3)], output[-3000:]
+                  for p in (0, 3)], job_output_tail(output)
   records = _equal_losses(workdir, expected, steps=steps)
   lost = [(r["step"], r["processes"]) for r in records if r.get("event") == "process_lost"]
   assert [p for _, p in lost] == [[0], [3]] and 5 <= lost[0][0] <= 7 and 9 <= lost[1][0] <= 11
@@ -283,17 +283,17 @@ def test_two_processes_of_different_replicas_killed_a_second_apart_are_survived_
               "distributed.processes_per_domain": 2}
   status, output = _four_killed(workdir, settings, [(0, 4), (3, 4)], random.Random(seed),
                                 env=process_env(), apart_s=1.0)
-  assert status == 0, output[-4000:]
+  assert status == 0, job_output_tail(output, 4000)
   records = _equal_losses(workdir, expected, steps=steps)
   lost = [p for r in records if r.get("event") == "process_lost" for p in r["processes"]]
-  assert sorted(lost) == [0, 3], output[-3000:]
+  assert sorted(lost) == [0, 3], job_output_tail(output)
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
   assert degrees[steps - 1] == [1, 1]
   # The last recovery moved the state live (one before it may have been interrupted by the
   # second loss and started again from the old state).
   paths = [r.get("path") for r in records if r.get("event") == "recovered"]
-  assert paths[-1] == "live" and set(paths) <= {"live", "interrupted"}, output[-3000:]
-  assert "restor" not in output, output[-3000:]
+  assert paths[-1] == "live" and set(paths) <= {"live", "interrupted"}, job_output_tail(output)
+  assert "restor" not in output, job_output_tail(output)
 
 
 def test_a_process_lost_inside_a_checkpoint_save_is_survived_and_the_save_made_again(
@@ -314,14 +314,15 @@ def test_a_process_lost_inside_a_checkpoint_save_is_survived_and_the_save_made_a
                    program="tests/programs/train_with_hooks.py",
                    env={"NTP_JAX_DIE_IN_SAVE": "2:4"}, timeout=400)
   output = result.stdout + result.stderr
-  assert result.returncode == 0, output[-4000:]
-  assert "lost process 2 of 3 while saving the checkpoint of step 4" in output, output[-3000:]
+  assert result.returncode == 0, job_output_tail(output, 4000)
+  assert "lost process 2 of 3 while saving the checkpoint of step 4" in output, \
+      job_output_tail(output)
   records = _equal_losses(workdir, expected, steps=steps)
   lost = [(r["step"], r["processes"]) for r in records if r.get("event") == "process_lost"]
   assert lost == [(4, [2])], lost
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
   assert degrees[3] == [2, 2, 2] and degrees[4] == [2, 2]
-  assert "redone" not in output, output[-3000:]
+  assert "redone" not in output, job_output_tail(output)
   checkpoints = os.listdir(workdir / "checkpoints")
   assert {"8", "10"} <= set(checkpoints), checkpoints  # saves go on over the survivors
 
@@ -337,7 +338,7 @@ def test_the_coordinators_loss_ends_the_job_and_a_rerun_resumes_from_the_last_ch
   start = time.monotonic()
   done = _launch(2, workdir, settings, program="tests/programs/train_with_hooks.py",
                  env={"NTP_JAX_DIE_AFTER": "0:6"}, timeout=300)
-  assert done.returncode == 137, done.stdout[-3000:] + done.stderr[-2000:]
+  assert done.returncode == 137, job_output_tail(done.stdout + done.stderr)
   assert "[launch] process 0 hosted JAX's coordination service: losing it ended processes " \
          "[1] (status 134" in done.stderr, done.stderr[-2000:]
   assert time.monotonic() - start < 240
@@ -361,7 +362,7 @@ def test_sharded_optimizer_across_processes_with_one_holding_no_core_device(tmp_
   workdir = tmp_path / "four"
   done = _launch(4, workdir, {**BASE, **settings, "checkpoint.every": 0,
                               "distributed.processes_per_domain": 2}, timeout=300)
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+  assert done.returncode == 0, job_output_tail(done.stdout + done.stderr)
   _equal_losses(workdir, expected, steps=4)
 
 
@@ -378,7 +379,7 @@ def test_a_lost_process_holding_optimizer_pieces_takes_the_restart_path(tmp_path
                               "distributed.heartbeat_timeout_s": HEARTBEAT_S},
                  launcher=["--run-on"], program="tests/programs/train_with_hooks.py",
                  env={"NTP_JAX_DIE_AFTER": "1:6"}, timeout=300)
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+  assert done.returncode == 0, job_output_tail(done.stdout + done.stderr)
   assert ("live recovery impossible (optimizer state piece 1 (of every peer group) was held "
           "only by replicas of lost processes (train.optimizer_copies=1)); restoring the last "
           "checkpoint instead") in done.stdout, done.stdout[-3000:]
@@ -405,10 +406,10 @@ def test_a_process_lost_inside_the_sharded_norm_leaves_its_replica_at_a_lower_de
                  launcher=["--run-on"], program="tests/programs/train_with_hooks.py",
                  env={"NTP_JAX_DIE_IN_PHASE": "3:4:norm"}, timeout=300)
   output = done.stdout + done.stderr
-  assert done.returncode == 0, output[-4000:]
-  assert "lost process 3 of 4 inside step 4 (norm phase" in output, output[-3000:]
+  assert done.returncode == 0, job_output_tail(output, 4000)
+  assert "lost process 3 of 4 inside step 4 (norm phase" in output, job_output_tail(output)
   assert [line for line in output.splitlines() if " exited with status " in line] == [
-      "[launch] process 3 exited with status 137; the others run on"], output[-3000:]
+      "[launch] process 3 exited with status 137; the others run on"], job_output_tail(output)
   records = _equal_losses(workdir, expected, steps=steps)
   degrees = {r["step"]: r["tp_degrees"] for r in records if "tp_degrees" in r}
   assert degrees[3] == [2, 2] and degrees[4] == [2, 1]
@@ -435,7 +436,7 @@ def test_a_lost_process_holding_optimizer_pieces_rebuilds_them_live_from_copies(
                               "ntp.precompile": "none"},
                  launcher=["--run-on"], program="tests/programs/train_with_hooks.py",
                  env={"NTP_JAX_DIE_IN_PHASE": "1:4:unpack"}, timeout=300)
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+  assert done.returncode == 0, job_output_tail(done.stdout + done.stderr)
   assert "lost process 1 of 4 inside step 4 after its update (unpack phase" in done.stdout, \
       done.stdout[-3000:]
   assert "live recovery impossible" not in done.stdout, done.stdout[-3000:]
