@@ -79,8 +79,8 @@ class ShardedJobStep(SyncedJobStep):
     class's parameters unpacked from the gathered buffers (see the module docstring).
     Returns the job's ``loss`` and ``grad_norm`` (f32 numpy scalars, read here)."""
     pieces, sums, templates = self._reduced(batch)
-    norm = self._phase("norm", lambda: self.zero.norm(sums))
-    metrics = None if sums is None else {"loss": sums["loss"], "grad_norm": norm}
+    metrics = self._phase("norm", lambda: self.zero.norm(sums))
+    norm = None if metrics is None else metrics["grad_norm"]
     if self.handoff:  # the processes with no core device take the metrics from their class
       metrics = self._phase("metrics", lambda: self._handed_off(metrics))
     self.zero_state = self.zero.update(pieces, norm, self.zero_state)
@@ -133,7 +133,7 @@ class ShardedJobStep(SyncedJobStep):
     phase = self._phase if votes else lambda _, run: run()
     if self.zero.settings.stage == 1:
       buffers = phase("grad", lambda: self._gradient_buffers(batch))
-      pieces, sums = phase("reduce", lambda: self.zero.reduce(buffers))
+      pieces, sums = self._reduction(phase, "reduce", buffers, None, last=True)
       return pieces, sums, self.sync.outer(buffers)
     rounds, inputs = [], []
     for program, local, (start, _) in zip(self.programs, self.local, self.plan.class_rows()):
@@ -159,9 +159,20 @@ class ShardedJobStep(SyncedJobStep):
         return out
 
       buffers = phase(f"grad{i}", micro)
-      pieces, sums = phase(f"reduce{i}", lambda b=buffers, t=pieces, last=i == count - 1:
-                           self.zero.reduce(b, t, last=last))
+      pieces, sums = self._reduction(phase, f"reduce{i}", buffers, pieces, last=i == count - 1)
     return pieces, sums, self.sync.outer(buffers)
+
+  def _reduction(self, phase: Callable[[str, Callable[[], Any]], Any], name: str,
+                 buffers: list[dict | None], total: dict | None, *, last: bool
+                 ) -> tuple[dict | None, dict | None]:
+    """One round's ``ShardedOptimizer.reduce`` as phase ``name``; where it is two programs
+    (``reduce_in_two``: two groupings of the devices), each a phase of its own, the second
+    ``name + "_copies"``, so that a loss inside the first leaves nobody waiting in the
+    second."""
+    if not self.zero.reduce_in_two:
+      return phase(name, lambda: self.zero.reduce(buffers, total, last=last))
+    scattered = phase(name, lambda: self.zero.scatter(buffers))
+    return phase(f"{name}_copies", lambda: self.zero.sum_copies(scattered, total, last=last))
 
   def _phase(self, name: str, run: Callable[[], Any]) -> Any:
     """``run()``; where steps commit, its outputs once every live process voted that its

@@ -20,9 +20,11 @@ programs, so that what consumes the state runs no collective across processes
 
 1. ``reduce``: reduce-scatter of the gradient buffers over ``'piece'``, then an
    all-reduce of the piece over ``'copy'`` (nothing with one copy): collectives
-   among the replicas of each peer group only;
-2. ``norm``: the global norm of the pieces (each logical element once), one
-   all-reduce over ``('piece', 'peer')``;
+   among the replicas of each peer group only. Where both groupings hold several
+   replicas (``1 < copies < replicas``) these are two programs (``scatter``, then
+   ``sum_copies``);
+2. ``norm``: the global norm of the pieces (each logical element once) and the
+   job's loss, one all-reduce over ``('piece', 'peer')``;
 3. ``update``: the clipping by the norm and the optimizer's update of each piece
    (the trainer's AdamW without its decay mask, the decayed elements' runs
    applied in the program), the state donated, with no collective;
@@ -31,8 +33,9 @@ programs, so that what consumes the state runs no collective across processes
    (``steps.SplitStep.unpack``).
 
 Each program's collectives group the devices one way (the norm's apart from the
-reduction's), so a peer lost inside one leaves half-entered only collectives whose
-group holds the lost device: none that a later plan reuses (``processes.commit``).
+reduction's, the reduction's two groupings apart where ``reduce_in_two``), so a peer
+lost inside one leaves half-entered only collectives whose group holds the lost device:
+none that a later plan reuses (``processes.commit``).
 
 With one copy the bytes across domains are a reduce-scatter and an
 all-gather of the buffer: an all-reduce's.
@@ -241,6 +244,11 @@ def _unlead(x):
   return x[0, 0] if x.ndim else x
 
 
+def _lengths(buffers: dict) -> tuple[tuple[str, int], ...]:
+  """Each buffer's ``L`` (its last axis), as a static argument."""
+  return tuple(sorted((name, x.shape[-1]) for name, x in buffers.items()))
+
+
 def as_dtype(x, like):
   """``x`` in ``like``'s dtype (no program when it has it already)."""
   return x if x.dtype == like.dtype else x.astype(like.dtype)
@@ -282,11 +290,18 @@ class ShardedOptimizer:
     grid = sync.mesh.devices.reshape(replicas // self.pieces, self.pieces, t_min)
     self.mesh = Mesh(grid, (COPY, PIECE, PEER))
     self.sharding = NamedSharding(self.mesh, PIECE_SPEC)
+    # One grouping of the devices per program (``processes.commit``): the reduce-scatter
+    # over a copy's replicas and the all-reduce over the copies are two programs where
+    # both groups hold several devices.
+    self.reduce_in_two = self.pieces > 1 and grid.shape[0] > 1
     self._scatter = jax.jit(self._scatter_fn)
     self._gather = jax.jit(self._gather_fn, static_argnames=("lengths", "cast"))
     self._gather_live = jax.jit(self._gather_live_fn, static_argnames=("lengths",))
     self._start = jax.jit(self._start_fn)
     self._reduce = jax.jit(self._reduce_fn, donate_argnums=(1,), static_argnames=("last",))
+    self._scatter_round = jax.jit(self._scatter_round_fn)
+    self._sum_copies = jax.jit(self._sum_copies_fn, donate_argnums=(1,),
+                               static_argnames=("lengths", "last"))
     self._norm = jax.jit(self._norm_fn)
     self._update = jax.jit(self._update_fn, donate_argnums=(2,))
 
@@ -367,13 +382,12 @@ class ShardedOptimizer:
                       **dict(zip(self.fields, moments, strict=True)))
     return {"master": params, "opt": opt}
 
-  def _reduce_local(self, x: jax.Array) -> jax.Array:
-    """Inside a body: this device's ``[1, 1, ..., L]`` buffer -> its piece summed over every
-    live replica of its peer group, float32 ``[..., ceil(L / P)]``."""
+  def _scatter_local(self, x: jax.Array) -> jax.Array:
+    """Inside a body: this device's ``[1, 1, ..., L]`` buffer -> its piece summed over the
+    replicas of its copy, ``[..., ceil(L / P)]`` in the buffer's dtype."""
     n = -(-x.shape[-1] // self.pieces)
-    summed = jax.lax.psum_scatter(_pad_last(x[0, 0], n * self.pieces), PIECE,
-                                  scatter_dimension=x.ndim - 3, tiled=True)
-    return jax.lax.psum(summed, COPY).astype(MASTER_DTYPE)
+    return jax.lax.psum_scatter(_pad_last(x[0, 0], n * self.pieces), PIECE,
+                                scatter_dimension=x.ndim - 3, tiled=True)
 
   def _index(self, n: int) -> jax.Array:
     """Inside a body: the positions along ``L`` of this device's piece of ``n`` elements."""
@@ -383,38 +397,77 @@ class ShardedOptimizer:
                  ) -> dict | tuple[dict, dict]:
     """One round of gradient buffers (zero1: the step's; zero2: a micro-batch's) reduced
     into float32 pieces and added to ``total`` (the earlier rounds' sum; None: the first):
-    collectives across the replicas of each peer group only. With ``last``, the pieces
-    come back with their padding zeroed, and with each device's ``loss`` (the float32
-    buffer's last element, summed with the gradients) and ``squares`` (the sum of squares
-    of its piece), ``[live replicas, t_min]`` over the piece mesh (for ``_norm_fn``)."""
+    collectives across the replicas of each peer group only, one program (``_summed``
+    says what comes back)."""
+    lengths = _lengths(grads)
 
     def body(local, *earlier):
-      summed = {name: self._reduce_local(x) for name, x in local.items()}
-      if earlier:
-        summed = {name: _unlead(earlier[0][name]) + v for name, v in summed.items()}
-      if not last:
-        return jax.tree.map(_lead, summed)
-      g = {}
-      for name, x in summed.items():
-        # The float32 buffer ends with the replica's loss: no parameter of its own.
-        data = local[name].shape[-1] - (1 if name == LOSS_DTYPE else 0)
-        g[name] = jnp.where(self._index(x.shape[-1]) < data, x, 0)
-      loss_piece = summed[LOSS_DTYPE]  # [n]: the loss buffer holds no stacked parameter
-      at_loss = self._index(loss_piece.shape[-1]) == local[LOSS_DTYPE].shape[-1] - 1
-      loss = jax.lax.psum(jnp.sum(jnp.where(at_loss, loss_piece, 0)), PIECE)
-      squares = sum(jnp.sum(jnp.square(v)) for v in g.values())
-      return jax.tree.map(_lead, g), {"loss": loss[None, None], "squares": squares[None, None]}
+      summed = {name: jax.lax.psum(self._scatter_local(x), COPY).astype(MASTER_DTYPE)
+                for name, x in local.items()}
+      return self._summed(summed, earlier, lengths, last)
 
     ins = (PIECE_SPEC,) if total is None else (PIECE_SPEC, PIECE_SPEC)
     args = (grads,) if total is None else (grads, total)
     return self._map(body, ins, (PIECE_SPEC, PIECE_SPEC) if last else PIECE_SPEC, *args)
 
-  def _norm_fn(self, squares: jax.Array) -> jax.Array:
-    """The global gradient norm on every core device, ``[live replicas, t_min]``, from each
-    device's ``squares`` (``_reduce_fn``): one all-reduce over the pieces and peer groups
-    of each copy (each logical element counted once)."""
-    return self._map(lambda sq: jnp.sqrt(jax.lax.psum(sq, (PIECE, PEER))), (PIECE_SPEC,),
-                     PIECE_SPEC, squares)
+  def _scatter_round_fn(self, grads: dict) -> dict:
+    """The first of a round's two programs where ``reduce_in_two``: each buffer
+    reduce-scattered over the replicas of its copy (``'piece'``), in its dtype."""
+    return self._map(lambda local: {name: _lead(self._scatter_local(x))
+                                    for name, x in local.items()},
+                     (PIECE_SPEC,), PIECE_SPEC, grads)
+
+  def _sum_copies_fn(self, scattered: dict, total: dict | None, lengths: tuple, last: bool
+                     ) -> dict | tuple[dict, dict]:
+    """The second: each piece all-reduced over its copies (``'copy'``) in float32 and added
+    to ``total`` (``_summed``); ``lengths``: the buffers' ``L`` (``_lengths``)."""
+
+    def body(local, *earlier):
+      summed = {name: jax.lax.psum(_unlead(x), COPY).astype(MASTER_DTYPE)
+                for name, x in local.items()}
+      return self._summed(summed, earlier, lengths, last)
+
+    ins = (PIECE_SPEC,) if total is None else (PIECE_SPEC, PIECE_SPEC)
+    args = (scattered,) if total is None else (scattered, total)
+    return self._map(body, ins, (PIECE_SPEC, PIECE_SPEC) if last else PIECE_SPEC, *args)
+
+  def _summed(self, summed: dict, earlier: tuple, lengths: tuple, last: bool
+              ) -> dict | tuple[dict, dict]:
+    """Inside a body, after the reduction: the pieces plus the earlier rounds' (``earlier``:
+    ``(total,)`` or empty). With ``last``, the pieces with their padding zeroed, and each
+    device's ``loss`` (its share of the job's loss: the float32 buffer's last element, summed
+    with the gradients, on the device whose piece holds it, of peer slot 0; zero elsewhere)
+    and ``squares`` (its piece's sum of squares), ``[live replicas, t_min]`` over the piece
+    mesh: ``_norm_fn`` sums both, with no collective here."""
+    if earlier:
+      summed = {name: _unlead(earlier[0][name]) + v for name, v in summed.items()}
+    if not last:
+      return jax.tree.map(_lead, summed)
+    length = dict(lengths)
+    g = {}
+    for name, x in summed.items():
+      # The float32 buffer ends with the replica's loss: no parameter of its own.
+      data = length[name] - (1 if name == LOSS_DTYPE else 0)
+      g[name] = jnp.where(self._index(x.shape[-1]) < data, x, 0)
+    loss_piece = summed[LOSS_DTYPE]  # [n]: the loss buffer holds no stacked parameter
+    at_loss = self._index(loss_piece.shape[-1]) == length[LOSS_DTYPE] - 1
+    # Every peer slot's buffer carries the loss: slot 0's counts, once.
+    loss = jnp.where(jax.lax.axis_index(PEER) == 0,
+                     jnp.sum(jnp.where(at_loss, loss_piece, 0)), 0)
+    squares = sum(jnp.sum(jnp.square(v)) for v in g.values())
+    return jax.tree.map(_lead, g), {"loss": loss[None, None], "squares": squares[None, None]}
+
+  def _norm_fn(self, sums: dict) -> dict:
+    """The global gradient norm and the job's loss on every core device, float32 ``[live
+    replicas, t_min]`` each (``{"grad_norm", "loss"}``), from each device's ``sums``
+    (``_summed``): one all-reduce over the pieces and peer groups of each copy (each
+    logical element counted once)."""
+
+    def body(sums):
+      total = jax.lax.psum(jnp.stack([sums["squares"], sums["loss"]]), (PIECE, PEER))
+      return {"grad_norm": jnp.sqrt(total[0]), "loss": total[1]}
+
+    return self._map(body, (PIECE_SPEC,), PIECE_SPEC, sums)
 
   def _update_fn(self, g: dict, norm: jax.Array, state: dict) -> dict:
     """The optimizer's update of each piece from the gradient pieces ``g`` (``_reduce_fn``
@@ -482,7 +535,8 @@ class ShardedOptimizer:
   def reduce(self, class_buffers: list[dict | None], total: dict | None = None, *,
              last: bool = True) -> tuple[dict | None, dict | None]:
     """One round of the classes' gradient buffers reduced into the pieces (``reduce`` of the
-    module docstring, less the norm: ``norm``).
+    module docstring, less the norm: ``norm``); where ``reduce_in_two``, ``scatter`` then
+    ``sum_copies`` (a step that commits runs them itself, with a vote between).
 
     Args:
       class_buffers: per class, ``SplitStep.gradients``' buffers (zero2: one micro-batch's,
@@ -494,19 +548,39 @@ class ShardedOptimizer:
     Returns:
       ``(pieces, sums)``: float32 ``[live replicas, t_min, ..., ceil(L / pieces)]`` per
       buffer; with ``last``, ``{"loss", "squares"}`` (float32 ``[live replicas, t_min]``
-      over the piece mesh: the job's loss on every core device, each device's sum of
-      squares), else None. Both None in a process with no core device.
+      over the piece mesh: each device's share of the job's loss and its sum of squares,
+      for ``norm``), else None. Both None in a process with no core device.
     """
+    if self.reduce_in_two:
+      return self.sum_copies(self.scatter(class_buffers), total, last=last)
     stacked = self.sync.stack(class_buffers, self.sharding)
     if stacked is None:
       return None, None
     out = self._reduce(stacked, total, last=last)
     return out if last else (out, None)
 
-  def norm(self, sums: dict | None) -> jax.Array | None:
-    """The global gradient norm, float32 ``[live replicas, t_min]`` (the same on every core
-    device), from ``reduce``'s last ``sums`` (None in a process with no core device)."""
-    return None if sums is None else self._norm(sums["squares"])
+  def scatter(self, class_buffers: list[dict | None]) -> tuple[dict, tuple] | None:
+    """``reduce``'s first program where ``reduce_in_two``: the classes' buffers
+    reduce-scattered over the replicas of each copy (collectives over ``'piece'`` only).
+    Returns what ``sum_copies`` takes (None in a process with no core device)."""
+    stacked = self.sync.stack(class_buffers, self.sharding)
+    return None if stacked is None else (self._scatter_round(stacked), _lengths(stacked))
+
+  def sum_copies(self, scattered: tuple[dict, tuple] | None, total: dict | None = None, *,
+                 last: bool = True) -> tuple[dict | None, dict | None]:
+    """``reduce``'s second program where ``reduce_in_two``: ``scatter``'s pieces summed over
+    the copies (collectives over ``'copy'`` only) and added to ``total`` (donated); returns
+    as ``reduce``."""
+    if scattered is None:
+      return None, None
+    out = self._sum_copies(scattered[0], total, lengths=scattered[1], last=last)
+    return out if last else (out, None)
+
+  def norm(self, sums: dict | None) -> dict[str, jax.Array] | None:
+    """``{"grad_norm", "loss"}``: the global gradient norm and the job's loss, float32
+    ``[live replicas, t_min]`` (the same on every core device), from ``reduce``'s last
+    ``sums`` (None in a process with no core device)."""
+    return None if sums is None else self._norm(sums)
 
   def update(self, pieces: dict | None, norm: jax.Array | None, state: dict | None
              ) -> dict | None:
@@ -626,8 +700,10 @@ class ShardedOptimizer:
                  ) -> list[tuple[str, jax.stages.Lowered]]:
     """The programs of one step after the classes' gradient halves, lowered for abstract
     arguments, in the order they run: the reductions (``reduce``: zero1 one; zero2 the
-    first micro-batch's, a middle one's and the last one's, as ``rounds`` asks), the norm,
-    the update and the gathering of the parameters. ``(what, lowered)`` each; compiling them ahead
+    first micro-batch's, a middle one's and the last one's, as ``rounds`` asks; where
+    ``reduce_in_two``, the reduce-scatter every round runs, then those of its sum over the
+    copies), the norm, the update and the gathering of the parameters (``step_runs``: how
+    often each runs). ``(what, lowered)`` each; compiling them ahead
     makes the first step compile nothing, and their memory analyses are one core
     device's.
 
@@ -643,23 +719,47 @@ class ShardedOptimizer:
     buffers = self._abstract_buffers(class_blocks[0])
     total = state["master"]  # the summed pieces have the master weights' shapes
     rounds = rounds if self.settings.stage == 2 else 1
-    out = [("sharded optimizer (reduce)" if rounds == 1 else
-            "sharded optimizer (first micro-batch)",
-            self._reduce.lower(buffers, None, last=rounds == 1))]
-    if rounds > 2:
-      out.append(("sharded optimizer (next micro-batch)",
-                  self._reduce.lower(buffers, total, last=False)))
-    if rounds > 1:
-      out.append(("sharded optimizer (last micro-batch)",
-                  self._reduce.lower(buffers, total, last=True)))
-    lengths = tuple(sorted((name, x.shape[-1]) for name, x in class_blocks[0].items()))
-    # One value per core device: the norm, or each device's sum of squares going in.
-    norm = jax.ShapeDtypeStruct(self.sync.mesh.devices.shape, jnp.float32,
-                                sharding=self.sharding)
-    return out + [("sharded optimizer (norm)", self._norm.lower(norm)),
-                  (UPDATE_PROGRAM, self._update.lower(total, norm, state)),
+    if self.reduce_in_two:
+      lengths = _lengths(buffers)
+      scattered = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                              sharding=self.sharding),
+                               jax.eval_shape(self._scatter_round, buffers))
+      out = [("sharded optimizer (reduce over each copy)", self._scatter_round.lower(buffers)),
+             ("sharded optimizer (sum over the copies)" if rounds == 1 else
+              "sharded optimizer (sum over the copies, first micro-batch)",
+              self._sum_copies.lower(scattered, None, lengths=lengths, last=rounds == 1))]
+      if rounds > 2:
+        out.append(("sharded optimizer (sum over the copies, next micro-batch)",
+                    self._sum_copies.lower(scattered, total, lengths=lengths, last=False)))
+      if rounds > 1:
+        out.append(("sharded optimizer (sum over the copies, last micro-batch)",
+                    self._sum_copies.lower(scattered, total, lengths=lengths, last=True)))
+    else:
+      out = [("sharded optimizer (reduce)" if rounds == 1 else
+              "sharded optimizer (first micro-batch)",
+              self._reduce.lower(buffers, None, last=rounds == 1))]
+      if rounds > 2:
+        out.append(("sharded optimizer (next micro-batch)",
+                    self._reduce.lower(buffers, total, last=False)))
+      if rounds > 1:
+        out.append(("sharded optimizer (last micro-batch)",
+                    self._reduce.lower(buffers, total, last=True)))
+    lengths = _lengths(class_blocks[0])
+    # One value per core device: each device's sums going in.
+    one = jax.ShapeDtypeStruct(self.sync.mesh.devices.shape, jnp.float32,
+                               sharding=self.sharding)
+    return out + [("sharded optimizer (norm)", self._norm.lower({"loss": one, "squares": one})),
+                  (UPDATE_PROGRAM, self._update.lower(total, one, state)),
                   ("sharded optimizer (parameters gathered)",
                    self._gather.lower(total, lengths=lengths, cast=True))]
+
+  def step_runs(self, rounds: int = 1) -> list[int]:
+    """How often a step runs each program ``lower_step(..., rounds)`` gives, in its order."""
+    rounds = rounds if self.settings.stage == 2 else 1
+    reductions = [1] if rounds == 1 else [1, rounds - 2, 1] if rounds > 2 else [1, 1]
+    if self.reduce_in_two:
+      reductions = [rounds, *reductions]  # one reduce-scatter a round, then its sum
+    return reductions + [1, 1, 1]
 
   def lower_gather(self, class_blocks: Sequence[dict[str, Any]]) -> jax.stages.Lowered:
     """The gathering of a moment's pieces into whole buffers (``class_opt_states``),

@@ -418,7 +418,7 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
     if key not in memo:
       memo[key] = [lowered.compile(compiler_options=ANALYSIS_ONLY)
                    for _, lowered in sharded.lower_step(blocks, rounds)]
-    update = memo[key]
+    update, runs_of_update = memo[key], sharded.step_runs(rounds)
     key = (plan.classes, seq_len, unrolled, "gather", zero.copies)
     if key not in memo:
       memo[key] = sharded.lower_gather(blocks).compile(compiler_options=ANALYSIS_ONLY)
@@ -443,8 +443,8 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       temp, outputs, opt = (max(int(m.temp_size_in_bytes) for m in memory), max(fresh),
                             device_bytes(program.opt_state))
     else:
-      # lower_step's order: the reductions (zero2: first, [middle], last), the norm, the
-      # update, the gathering of the parameters.
+      # lower_step's order: the reductions, the norm, the update, the gathering of the
+      # parameters (last).
       sharded_memory = [c.memory_analysis() for c in update]
       temp = max(int(m.temp_size_in_bytes) for m in memory + sharded_memory)
       last = sharded_memory[-1]
@@ -453,9 +453,7 @@ def class_footprints(plan: Plan, make_model: Callable[[Any], nnx.Module],
       # The summed pieces live beside a round's buffers until the update; the gathered
       # parameters come after both are gone.
       outputs = max(max(fresh) + total_bytes, gathered)
-      reductions = [flops_of(c) for c in update[:-3]]
-      counts = [1, rounds - 2, 1] if len(reductions) == 3 else [1] * len(reductions)
-      flops += sum(n * f for n, f in zip(counts, reductions)) + sum(map(flops_of, update[-3:]))
+      flops += sum(n * flops_of(c) for n, c in zip(runs_of_update, update, strict=True))
     read_back = (0 if update is None else
                  device_bytes(program.opt_state) + gathering + templates[i])
     out.append(ClassFootprint(

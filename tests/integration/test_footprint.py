@@ -292,28 +292,44 @@ def test_zero1_optimizer_bytes_match_the_hand_count(tmp_path):
       assert r.read_back == 0 and r.save_peak == r.params + r.opt_state
 
 
-def test_the_sharded_update_lowers_for_abstract_buffers(tmp_path):
-  """``ShardedOptimizer.lower_step``: its compiled arguments are one core device's gradient
-  buffer and sharded state, as ``abstract_state`` says."""
+def _sharded_step_parts(tmp_path, dp, tp, failed, **settings):
+  """``(plan, each class's abstract sync buffers, the plan's ShardedOptimizer, its
+  settings)`` for gpt_micro on ``dp x tp`` with ``failed`` (config overrides ``settings``)."""
   from ntp_jax.parallel.steps import SplitStep, StepSettings, abstract_sync_blocks
   from ntp_jax.training.footprint import sharded_optimizer
   from ntp_jax.training.optim import zero_settings
-  config = micro_config(tmp_path, **{"mesh.dp": 2, "mesh.tp": 4, "ntp.failed": "1:2",
-                                    "train.optimizer_sharding": "zero1"})
+  config = micro_config(tmp_path, **{"mesh.dp": dp, "mesh.tp": tp, "ntp.failed": failed,
+                                    **settings})
   cfg = GPTConfig.from_config(config.model)
-  plan = plan_of(config, gpt_spec(cfg, 0), "1:2")
+  plan = plan_of(config, gpt_spec(cfg, 0), failed)
   run = RunConfig.from_config(config)
   optimizer = make_optimizer(run.train)
-  settings = StepSettings(optimizer, 1.0, plan.global_batch * config.train.seq_len)
+  step_settings = StepSettings(optimizer, 1.0, plan.global_batch * config.train.seq_len)
   blocks = []
   for c in plan.classes:
     program, batch = abstract_program(plan, c, gpt_spec(cfg, 0).make, optimizer,
                                       config.train.seq_len, jax.devices())
     step = SplitStep.build(program.graphdef, program.params, program.opt_state, program.mesh,
-                           settings, plan.t_min)
+                           step_settings, plan.t_min)
     blocks.append(abstract_sync_blocks(step.grad, program.params, batch, program.mesh))
   zero = zero_settings(run.train)
-  sharded = sharded_optimizer(plan, jax.devices(), zero)
+  return plan, blocks, sharded_optimizer(plan, jax.devices(), zero), zero
+
+
+def _groupings(lowered) -> set[str]:
+  """The device groupings of a lowered program's collectives, as its compiled HLO writes
+  them (groups of one device, which send nothing, left out)."""
+  text = lowered.compile().as_text()
+  return {g for g in re.findall(r"replica_groups=(\{[{}\d,]*\}|\[[\d,]+\]<=\S+)", text)
+          if re.search(r"\{\d+,|\[\d+,(?!1\])", g)}
+
+
+def test_the_sharded_update_lowers_for_abstract_buffers(tmp_path):
+  """``ShardedOptimizer.lower_step``: its compiled arguments are one core device's gradient
+  buffer and sharded state, as ``abstract_state`` says."""
+  from ntp_jax.training.footprint import sharded_optimizer
+  plan, blocks, sharded, zero = _sharded_step_parts(
+      tmp_path, 2, 4, "1:2", **{"train.optimizer_sharding": "zero1"})
   with pytest.raises(ValueError, match="no class's sync buffers"):
     sharded.lower_step([])
   state = sharded.abstract_state(blocks)
@@ -345,14 +361,31 @@ def test_the_sharded_update_lowers_for_abstract_buffers(tmp_path):
   # the state updated, the master weights' pieces gathered.
   assert argument_bytes(sharded) == [
       ("sharded optimizer (reduce)", length * 4),
-      ("sharded optimizer (norm)", 4),
+      ("sharded optimizer (norm)", 8),
       ("sharded optimizer (update)", pieces + 4 + device_bytes(state)),
       ("sharded optimizer (parameters gathered)", pieces)]
   # zero2 over three rounds: a micro-batch's buffer, then with the summed pieces.
   zero2 = sharded_optimizer(plan, jax.devices(), dataclasses.replace(zero, stage=2))
   assert [n for _, n in argument_bytes(zero2, rounds=3)] == [
-      length * 4, length * 4 + pieces, length * 4 + pieces, 4,
+      length * 4, length * 4 + pieces, length * 4 + pieces, 8,
       pieces + 4 + device_bytes(state), pieces]
+
+
+def test_each_sharded_program_groups_the_devices_one_way(tmp_path):
+  """dp=4 tp=2 with replica 3 at degree 1, zero2 with two copies of two pieces: a round's
+  reduce-scatter over a copy's replicas and its sum over the copies are programs of their
+  own, and no program of the step mixes two groupings of the devices (a peer lost inside
+  one leaves no collective of another grouping half-entered, ``processes.commit``)."""
+  _, blocks, sharded, _ = _sharded_step_parts(
+      tmp_path / "two", 4, 2, "3:1", **{"train.optimizer_sharding": "zero2",
+                                       "train.optimizer_copies": 2})
+  assert sharded.reduce_in_two
+  groupings = {what: _groupings(lowered) for what, lowered in sharded.lower_step(blocks, 3)}
+  assert len(groupings) == 7 == len(sharded.step_runs(3)), groupings
+  assert all(len(g) <= 1 for g in groupings.values()), groupings
+  scatter, first = (groupings[f"sharded optimizer ({w})"] for w in (
+      "reduce over each copy", "sum over the copies, first micro-batch"))
+  assert len(scatter) == len(first) == 1 and scatter != first, groupings
 
 
 def _huge_vocabulary():
