@@ -380,14 +380,23 @@ class Job:
 _JOINED: Job | None = None
 
 
+# gloo's own bound (its contexts' default timeout), on the waits XLA's CPU collective bound
+# does not reach: a reduce-scatter (``ReduceScatterHalvingDoubling``, given no timeout) and
+# the connection of a new communicator to its peers.
+GLOO_TIMEOUT_S = 30
+
+
 def _takeover_s(settings: Settings) -> float:
   """Seconds the main thread gets to take a loss over: a third of the heartbeat's timeout
-  (between steps it is waiting at an arrival), and in a recoverable job also the bound of
-  the collective it may be held in (``collective_timeout_s``), after which its step raises."""
+  (between steps it is waiting at an arrival), and in a recoverable job also the longest
+  bound of a collective it may be held in, after which its step raises: on GPU
+  ``collective_timeout_s`` (JAX's heartbeat cancels it after as long), on CPU the longer of
+  that (XLA's bound) and gloo's own (``GLOO_TIMEOUT_S``: a reduce-scatter, a connection)."""
   base = settings.heartbeat_timeout_s / 3 + 1.0
-  if settings.recoverable:  # on GPU, JAX's heartbeat cancels it after as long
-    return base + collective_timeout_s(settings)
-  return base
+  if not settings.recoverable:
+    return base
+  bound = collective_timeout_s(settings)
+  return base + (bound if expects_gpu() else max(bound, GLOO_TIMEOUT_S))
 
 
 def join(distributed: Any) -> Job:
