@@ -388,15 +388,18 @@ GLOO_TIMEOUT_S = 30
 
 def _takeover_s(settings: Settings) -> float:
   """Seconds the main thread gets to take a loss over: a third of the heartbeat's timeout
-  (between steps it is waiting at an arrival), and in a recoverable job also the longest
-  bound of a collective it may be held in, after which its step raises: on GPU
+  (between steps it is waiting at an arrival), and in a recoverable job also twice the
+  longest bound of a collective, after which a step's collective raises: on GPU
   ``collective_timeout_s`` (JAX's heartbeat cancels it after as long), on CPU the longer of
-  that (XLA's bound) and gloo's own (``GLOO_TIMEOUT_S``: a reduce-scatter, a connection)."""
+  that (XLA's bound) and gloo's own (``GLOO_TIMEOUT_S``: a reduce-scatter, a connection).
+  Twice: a survivor released from its own collective then waits in the phase's vote for a
+  peer that entered its collective later and is released as late (seen in a ``--pair``
+  chaos trial, 4 x 2: once past 30 s)."""
   base = settings.heartbeat_timeout_s / 3 + 1.0
   if not settings.recoverable:
     return base
   bound = collective_timeout_s(settings)
-  return base + (bound if expects_gpu() else max(bound, GLOO_TIMEOUT_S))
+  return base + 2 * (bound if expects_gpu() else max(bound, GLOO_TIMEOUT_S))
 
 
 def join(distributed: Any) -> Job:
