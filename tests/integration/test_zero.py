@@ -140,13 +140,18 @@ EVENTS = {"mesh.dp": 4, "mesh.tp": 2, "ntp.fail_at": "4@0:1,7@3:0,7@3:1",
 
 def test_two_copies_recover_live_from_the_copies(tmp_path):
   """zero2 (zero1's live recovery from copies is the multi-process test's: a lost
-  process's pieces rebuilt from the copies)."""
+  process's pieces rebuilt from the copies). Two copies of two pieces on four replicas:
+  each round's reduction is two programs, a reduce-scatter over each copy's replicas and a
+  sum over the copies (``ShardedOptimizer.reduce_in_two``; one grouping of the devices per
+  program: ``test_footprint``), and the losses are the replicated run's."""
   sharding = "zero2"
   replicated_with_events = run(tmp_path / "replicated", steps=10, **EVENTS)[0].losses
   lines = []
   result, _ = run(tmp_path / sharding, steps=10, log=lines.append, **EVENTS,
                   **{"train.optimizer_sharding": sharding, "train.optimizer_copies": 2})
   np.testing.assert_allclose(result.losses, replicated_with_events, rtol=1e-5)
+  assert "optimizer state: zero2, 2 piece(s) per peer group, each held by 2 replica(s) " \
+         "(train.optimizer_copies=2)" in lines, lines[:5]
   assert sum("live: state moved from DP peers" in line for line in lines) == 2
   assert not any("restor" in line for line in lines)
 

@@ -138,31 +138,6 @@ def test_a_zero2_step_reduces_each_micro_batch_and_gives_the_replicated_step(mic
   np.testing.assert_allclose(float(b["loss"]), float(a["loss"]), rtol=1e-6)
 
 
-def test_two_groupings_reduce_in_two_programs_and_give_the_replicated_step():
-  """dp=4 tp=2 with replica 3 at degree 1, two copies of two pieces (both groupings of the
-  reduction hold two replicas: ``reduce_in_two``), zero2 in two micro-batches: each round's
-  reduce-scatter over a copy's replicas and its sum over the copies run as two programs,
-  and loss, norm and moments are the replicated step's."""
-  kwargs = dict(failed="3:1", rebalance="proportional", batch_size=8, microbatches=2)
-  replicated, sharded = job(2, 4, **kwargs), job(2, 4, copies=2, stage=2, **kwargs)
-  assert sharded.zero.reduce_in_two and sharded.zero.pieces == 2
-  assert sharded.zero.step_runs(2) == [2, 1, 1, 1, 1, 1]
-  calls = []
-  for name in ("scatter", "sum_copies"):
-    method = getattr(sharded.zero, name)
-    setattr(sharded.zero, name, lambda *a, method=method, name=name, **k: (
-        calls.append(name), method(*a, **k))[1])
-  a, b = steps(replicated, 1)[0], steps(sharded, 1)[0]
-  assert calls == ["scatter", "sum_copies"] * 2
-  np.testing.assert_allclose(float(b["loss"]), float(a["loss"]), rtol=1e-6)
-  np.testing.assert_allclose(float(b["grad_norm"]), float(a["grad_norm"]), rtol=1e-6)
-  assert float(a["grad_norm"]) > CLIP
-  for (params_a, opt_a), (params_b, opt_b) in zip(class_states(replicated),
-                                                  class_states(sharded)):
-    jax.tree.map(lambda x, y: near_in_norm(x, y, 1e-6), opt_b, opt_a)
-    jax.tree.map(lambda x, y: near_in_norm(x, y, 1e-5), params_b, params_a)
-
-
 @pytest.mark.parametrize("optimizer", [lion, momentum], ids=["lion", "sgd-momentum"])
 def test_any_optax_rule_with_parameter_shaped_state_is_sharded_as_it_is(optimizer):
   """The sharded update applies the configured optax rule to the pieces: Lion (one moment
