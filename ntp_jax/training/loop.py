@@ -335,7 +335,12 @@ class TrainingRun:
                           "commit; use an elementwise optimizer")
 
   def _wait_for_compile_ahead(self, timeout_s: float | None) -> bool:
-    return self.precompiler is None or self.precompiler.wait_idle(timeout=timeout_s)
+    if self.precompiler is None:
+      return True
+    # A loss met while a hook waits here is taken over after the wait, as after a compile
+    # (the next step's end sets the allowance back).
+    self.guard.step_starts(compiles=True)
+    return self.precompiler.wait_idle(timeout=timeout_s)
 
   def fresh_source(self, plan: Plan) -> LogicalSource:
     """The state a run without a checkpoint starts from: ``initial_source`` (logged) or init."""
