@@ -93,7 +93,9 @@ class RunServices:
 
   def wait_for_compile_ahead(self, timeout_s: float | None = None) -> bool:
     """Wait up to ``timeout_s`` (None: no bound) for the background compile of the plans one
-    failure or repair away; True when none is running (also when it is off)."""
+    failure or repair away; True when none is running (also when it is off). In a job of
+    several processes a peer lost meanwhile is taken over after the wait, as after a
+    compile (the heartbeat allows 15 minutes for it)."""
     return self._wait(timeout_s)
 
 
