@@ -169,10 +169,8 @@ class ShardedJobStep(SyncedJobStep):
     (``reduce_in_two``: two groupings of the devices), each a phase of its own, the second
     ``name + "_copies"``, so that a loss inside the first leaves nobody waiting in the
     second."""
-    if not self.zero.reduce_in_two:
-      return phase(name, lambda: self.zero.reduce(buffers, total, last=last))
-    scattered = phase(name, lambda: self.zero.scatter(buffers))
-    return phase(f"{name}_copies", lambda: self.zero.sum_copies(scattered, total, last=last))
+    return self.zero.reduce(buffers, total, last=last,
+                            phase=lambda suffix, run: phase(name + suffix, run))
 
   def _phase(self, name: str, run: Callable[[], Any]) -> Any:
     """``run()``; where steps commit, its outputs once every live process voted that its

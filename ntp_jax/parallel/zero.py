@@ -298,10 +298,9 @@ class ShardedOptimizer:
     self._gather = jax.jit(self._gather_fn, static_argnames=("lengths", "cast"))
     self._gather_live = jax.jit(self._gather_live_fn, static_argnames=("lengths",))
     self._start = jax.jit(self._start_fn)
-    self._reduce = jax.jit(self._reduce_fn, donate_argnums=(1,), static_argnames=("last",))
+    self._reduce = jax.jit(self._reduce_fn, donate_argnums=(1,),
+                           static_argnames=("lengths", "last", "scattered"))
     self._scatter_round = jax.jit(self._scatter_round_fn)
-    self._sum_copies = jax.jit(self._sum_copies_fn, donate_argnums=(1,),
-                               static_argnames=("lengths", "last"))
     self._norm = jax.jit(self._norm_fn)
     self._update = jax.jit(self._update_fn, donate_argnums=(2,))
 
@@ -393,21 +392,21 @@ class ShardedOptimizer:
     """Inside a body: the positions along ``L`` of this device's piece of ``n`` elements."""
     return jax.lax.axis_index(PIECE) * n + jnp.arange(n)
 
-  def _reduce_fn(self, grads: dict, total: dict | None, last: bool = True
-                 ) -> dict | tuple[dict, dict]:
+  def _reduce_fn(self, buffers: dict, total: dict | None, lengths: tuple, last: bool,
+                 scattered: bool = False) -> dict | tuple[dict, dict]:
     """One round of gradient buffers (zero1: the step's; zero2: a micro-batch's) reduced
     into float32 pieces and added to ``total`` (the earlier rounds' sum; None: the first):
-    collectives across the replicas of each peer group only, one program (``_summed``
-    says what comes back)."""
-    lengths = _lengths(grads)
+    collectives across the replicas of each peer group only (``_summed`` says what comes
+    back; ``lengths``: the buffers' ``L``, ``_lengths``). ``scattered``: ``buffers`` are
+    ``_scatter_round_fn``'s, and this is the second program, the sum over the copies."""
 
     def body(local, *earlier):
-      summed = {name: jax.lax.psum(self._scatter_local(x), COPY).astype(MASTER_DTYPE)
-                for name, x in local.items()}
+      summed = {name: jax.lax.psum(_unlead(x) if scattered else self._scatter_local(x),
+                                   COPY).astype(MASTER_DTYPE) for name, x in local.items()}
       return self._summed(summed, earlier, lengths, last)
 
     ins = (PIECE_SPEC,) if total is None else (PIECE_SPEC, PIECE_SPEC)
-    args = (grads,) if total is None else (grads, total)
+    args = (buffers,) if total is None else (buffers, total)
     return self._map(body, ins, (PIECE_SPEC, PIECE_SPEC) if last else PIECE_SPEC, *args)
 
   def _scatter_round_fn(self, grads: dict) -> dict:
@@ -417,28 +416,12 @@ class ShardedOptimizer:
                                     for name, x in local.items()},
                      (PIECE_SPEC,), PIECE_SPEC, grads)
 
-  def _sum_copies_fn(self, scattered: dict, total: dict | None, lengths: tuple, last: bool
-                     ) -> dict | tuple[dict, dict]:
-    """The second: each piece all-reduced over its copies (``'copy'``) in float32 and added
-    to ``total`` (``_summed``); ``lengths``: the buffers' ``L`` (``_lengths``)."""
-
-    def body(local, *earlier):
-      summed = {name: jax.lax.psum(_unlead(x), COPY).astype(MASTER_DTYPE)
-                for name, x in local.items()}
-      return self._summed(summed, earlier, lengths, last)
-
-    ins = (PIECE_SPEC,) if total is None else (PIECE_SPEC, PIECE_SPEC)
-    args = (scattered,) if total is None else (scattered, total)
-    return self._map(body, ins, (PIECE_SPEC, PIECE_SPEC) if last else PIECE_SPEC, *args)
-
   def _summed(self, summed: dict, earlier: tuple, lengths: tuple, last: bool
               ) -> dict | tuple[dict, dict]:
-    """Inside a body, after the reduction: the pieces plus the earlier rounds' (``earlier``:
-    ``(total,)`` or empty). With ``last``, the pieces with their padding zeroed, and each
-    device's ``loss`` (its share of the job's loss: the float32 buffer's last element, summed
-    with the gradients, on the device whose piece holds it, of peer slot 0; zero elsewhere)
-    and ``squares`` (its piece's sum of squares), ``[live replicas, t_min]`` over the piece
-    mesh: ``_norm_fn`` sums both, with no collective here."""
+    """Inside a body, after the reduction: the pieces plus ``earlier`` (``(total,)`` or
+    empty). With ``last``, the pieces with their padding zeroed, and each device's ``loss``
+    (the float32 buffer's last element where its piece holds it, on peer slot 0; else 0)
+    and ``squares``, ``[live replicas, t_min]`` over the piece mesh, for ``_norm_fn``."""
     if earlier:
       summed = {name: _unlead(earlier[0][name]) + v for name, v in summed.items()}
     if not last:
@@ -533,10 +516,10 @@ class ShardedOptimizer:
     return state
 
   def reduce(self, class_buffers: list[dict | None], total: dict | None = None, *,
-             last: bool = True) -> tuple[dict | None, dict | None]:
+             last: bool = True, phase: Callable[[str, Callable[[], Any]], Any] | None = None
+             ) -> tuple[dict | None, dict | None]:
     """One round of the classes' gradient buffers reduced into the pieces (``reduce`` of the
-    module docstring, less the norm: ``norm``); where ``reduce_in_two``, ``scatter`` then
-    ``sum_copies`` (a step that commits runs them itself, with a vote between).
+    module docstring, less the norm: ``norm``).
 
     Args:
       class_buffers: per class, ``SplitStep.gradients``' buffers (zero2: one micro-batch's,
@@ -544,6 +527,9 @@ class ShardedOptimizer:
         another process.
       total: the earlier rounds' sum (donated; None for the first round).
       last: the step's last round: the pieces come back with the per-device sums.
+      phase: ``phase(suffix, run)`` runs each program (``run()``; a step that commits votes
+        on each, in every process): ``""``, and where ``reduce_in_two`` then ``"_copies"``
+        for the sum over the copies. Default: ``run()``.
 
     Returns:
       ``(pieces, sums)``: float32 ``[live replicas, t_min, ..., ceil(L / pieces)]`` per
@@ -551,30 +537,27 @@ class ShardedOptimizer:
       over the piece mesh: each device's share of the job's loss and its sum of squares,
       for ``norm``), else None. Both None in a process with no core device.
     """
+    phase = phase or (lambda _, run: run())
+
+    def first():  # the reduction, or where it is two programs its reduce-scatter
+      stacked = self.sync.stack(class_buffers, self.sharding)
+      if stacked is None:
+        return None
+      if self.reduce_in_two:
+        return self._scatter_round(stacked), _lengths(stacked)
+      # The same arguments, ``scattered`` included, as ``lower_step`` lowers it with: one
+      # cache entry, compiled ahead.
+      return self._reduce(stacked, total, lengths=_lengths(stacked), last=last,
+                          scattered=False)
+
+    def copies(scattered):  # the sum over the copies
+      return None if scattered is None else self._reduce(
+          scattered[0], total, lengths=scattered[1], last=last, scattered=True)
+
+    out = phase("", first)
     if self.reduce_in_two:
-      return self.sum_copies(self.scatter(class_buffers), total, last=last)
-    stacked = self.sync.stack(class_buffers, self.sharding)
-    if stacked is None:
-      return None, None
-    out = self._reduce(stacked, total, last=last)
-    return out if last else (out, None)
-
-  def scatter(self, class_buffers: list[dict | None]) -> tuple[dict, tuple] | None:
-    """``reduce``'s first program where ``reduce_in_two``: the classes' buffers
-    reduce-scattered over the replicas of each copy (collectives over ``'piece'`` only).
-    Returns what ``sum_copies`` takes (None in a process with no core device)."""
-    stacked = self.sync.stack(class_buffers, self.sharding)
-    return None if stacked is None else (self._scatter_round(stacked), _lengths(stacked))
-
-  def sum_copies(self, scattered: tuple[dict, tuple] | None, total: dict | None = None, *,
-                 last: bool = True) -> tuple[dict | None, dict | None]:
-    """``reduce``'s second program where ``reduce_in_two``: ``scatter``'s pieces summed over
-    the copies (collectives over ``'copy'`` only) and added to ``total`` (donated); returns
-    as ``reduce``."""
-    if scattered is None:
-      return None, None
-    out = self._sum_copies(scattered[0], total, lengths=scattered[1], last=last)
-    return out if last else (out, None)
+      out = phase("_copies", lambda: copies(out))
+    return (None, None) if out is None else out if last else (out, None)
 
   def norm(self, sums: dict | None) -> dict[str, jax.Array] | None:
     """``{"grad_norm", "loss"}``: the global gradient norm and the job's loss, float32
@@ -719,32 +702,20 @@ class ShardedOptimizer:
     buffers = self._abstract_buffers(class_blocks[0])
     total = state["master"]  # the summed pieces have the master weights' shapes
     rounds = rounds if self.settings.stage == 2 else 1
-    if self.reduce_in_two:
-      lengths = _lengths(buffers)
-      scattered = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                              sharding=self.sharding),
-                               jax.eval_shape(self._scatter_round, buffers))
-      out = [("sharded optimizer (reduce over each copy)", self._scatter_round.lower(buffers)),
-             ("sharded optimizer (sum over the copies)" if rounds == 1 else
-              "sharded optimizer (sum over the copies, first micro-batch)",
-              self._sum_copies.lower(scattered, None, lengths=lengths, last=rounds == 1))]
-      if rounds > 2:
-        out.append(("sharded optimizer (sum over the copies, next micro-batch)",
-                    self._sum_copies.lower(scattered, total, lengths=lengths, last=False)))
-      if rounds > 1:
-        out.append(("sharded optimizer (sum over the copies, last micro-batch)",
-                    self._sum_copies.lower(scattered, total, lengths=lengths, last=True)))
-    else:
-      out = [("sharded optimizer (reduce)" if rounds == 1 else
-              "sharded optimizer (first micro-batch)",
-              self._reduce.lower(buffers, None, last=rounds == 1))]
-      if rounds > 2:
-        out.append(("sharded optimizer (next micro-batch)",
-                    self._reduce.lower(buffers, total, last=False)))
-      if rounds > 1:
-        out.append(("sharded optimizer (last micro-batch)",
-                    self._reduce.lower(buffers, total, last=True)))
+    split, what, out = self.reduce_in_two, "reduce", []
+    if split:  # the reduce-scatter every round runs, then the sums over the copies
+      what, into = "sum over the copies", jax.eval_shape(self._scatter_round, buffers)
+      out.append(("sharded optimizer (reduce over each copy)",
+                  self._scatter_round.lower(buffers)))
+      buffers = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                            sharding=self.sharding), into)
+    kinds = ([("", None, True)] if rounds == 1 else [("first micro-batch", None, False)]
+             + [("next micro-batch", total, False)] * (rounds > 2)
+             + [("last micro-batch", total, True)])
     lengths = _lengths(class_blocks[0])
+    out += [(f"sharded optimizer ({what}{', ' + kind if kind else ''})",
+             self._reduce.lower(buffers, t, lengths=lengths, last=last, scattered=split))
+            for kind, t, last in kinds]
     # One value per core device: each device's sums going in.
     one = jax.ShapeDtypeStruct(self.sync.mesh.devices.shape, jnp.float32,
                                sharding=self.sharding)
