@@ -21,8 +21,8 @@ programs, so that what consumes the state runs no collective across processes
 1. ``reduce``: reduce-scatter of the gradient buffers over ``'piece'``, then an
    all-reduce of the piece over ``'copy'`` (nothing with one copy): collectives
    among the replicas of each peer group only. Where both groupings hold several
-   replicas (``1 < copies < replicas``) these are two programs (``scatter``, then
-   ``sum_copies``);
+   replicas (``1 < copies < replicas``) these are two programs (``reduce_in_two``:
+   the reduce-scatter, then the sum over the copies);
 2. ``norm``: the global norm of the pieces (each logical element once) and the
    job's loss, one all-reduce over ``('piece', 'peer')``;
 3. ``update``: the clipping by the norm and the optimizer's update of each piece
